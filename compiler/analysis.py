@@ -1,0 +1,364 @@
+"""Analysis of a captured decoder graph: where its tokens, positions, attention and logits are.
+
+Structural matching finds each attention site (``aten.scaled_dot_product_attention`` or the
+hand-written ``matmul -> scale -> mask -> softmax -> matmul`` chain); one sample run on a short
+input then *proves* the facts the KV-cache passes rely on instead of trusting the shape of the
+code: that each mask is exactly causal, and that the GQA expansion maps query head ``h`` to kv
+head ``h // (heads // kv_heads)``. A site that does not fit gets an
+:class:`UnsupportedAttentionError` naming the node and the pattern expected.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import networkx as nx
+import torch
+import torch.fx as fx
+
+aten = torch.ops.aten
+
+SDPA = aten.scaled_dot_product_attention.default
+SOFTMAX = {aten.softmax.int, aten._softmax.default, aten._safe_softmax.default}
+MATMUL = {aten.matmul.default, aten.bmm.default}
+ARANGE = {aten.arange.default, aten.arange.start, aten.arange.start_step}
+EMBEDDING = aten.embedding.default
+# ops that only reshape/repeat K or V heads for grouped-query attention
+GQA_EXPAND = {aten.expand.default, aten.reshape.default, aten.view.default, aten._unsafe_view.default,
+              aten.unsqueeze.default, aten.slice.Tensor, aten.repeat_interleave.self_int,
+              aten.contiguous.default, aten.clone.default}
+PASS_THROUGH = {aten.to.dtype, aten.to.dtype_layout, aten.type_as.default, aten.dropout.default,
+                aten.contiguous.default, aten.clone.default}
+
+
+class UnsupportedAttentionError(ValueError):
+    """An attention pattern the KV-cache passes cannot rewrite."""
+
+
+@dataclass
+class AttentionSite:
+    """One attention computation (one per layer in a decoder).
+
+    Shapes are those of the captured graph: ``q`` and ``output`` are ``[B, heads, T, head_dim]``,
+    ``k`` and ``v`` are ``[B, kv_heads, T, head_dim]`` (taken before any GQA expansion).
+    """
+
+    layer: int
+    kind: str  # "sdpa" or "manual"
+    q: fx.Node
+    k: fx.Node
+    v: fx.Node
+    output: fx.Node
+    heads: int
+    kv_heads: int
+    head_dim: int
+    scale: float
+    causal: bool = False
+    mask: fx.Node | None = None  # the mask operand, when the pattern had one
+
+    def describe(self) -> str:
+        return (f"layer {self.layer}: {self.kind} q={self.q.name} k={self.k.name} v={self.v.name} "
+                f"out={self.output.name} heads={self.heads} kv_heads={self.kv_heads} "
+                f"head_dim={self.head_dim} scale={self.scale:.6g} causal={self.causal}")
+
+
+@dataclass
+class GraphAnalysis:
+    """What the passes need to know about a decoder graph."""
+
+    input_ids: fx.Node
+    seq_len: fx.Node | None  # SymInt placeholder for the sequence length (None: static capture)
+    embedding: fx.Node
+    logits: fx.Node
+    vocab_size: int
+    sites: list[AttentionSite]
+    position_sources: list[fx.Node] = field(default_factory=list)  # aranges over the sequence
+
+    def summary(self) -> str:
+        lines = [f"input_ids={self.input_ids.name} seq_len={getattr(self.seq_len, 'name', None)} "
+                 f"embedding={self.embedding.name} logits={self.logits.name} vocab={self.vocab_size}",
+                 f"positions from: {[n.name for n in self.position_sources]}"]
+        lines += [s.describe() for s in self.sites]
+        return "\n".join(lines)
+
+
+def to_networkx(graph: fx.Graph) -> nx.DiGraph:
+    """The data-flow graph of ``graph`` (an edge per use)."""
+    g = nx.DiGraph()
+    for node in graph.nodes:
+        g.add_node(node)
+        for user in node.users:
+            g.add_edge(node, user)
+    return g
+
+
+def _val(node) -> object:
+    return node.meta.get("val") if isinstance(node, fx.Node) else node
+
+
+def _shape(node: fx.Node) -> tuple:
+    val = _val(node)
+    if not isinstance(val, torch.Tensor):
+        raise UnsupportedAttentionError(f"node {node.name} has no tensor metadata")
+    return tuple(val.shape)
+
+
+def _static(dim, what: str, node: fx.Node) -> int:
+    if isinstance(dim, int):
+        return dim
+    raise UnsupportedAttentionError(f"{what} of {node.name} is symbolic ({dim}); it must be a constant")
+
+
+def _expr(x):
+    """The sympy expression of a SymInt node/value, or the int itself."""
+    val = _val(x)
+    if isinstance(val, torch.SymInt):
+        return val.node.expr
+    return val
+
+
+def _skip(node: fx.Node, ops: set) -> fx.Node:
+    while isinstance(node, fx.Node) and node.op == "call_function" and node.target in ops:
+        node = node.args[0]
+    return node
+
+
+def _gqa_source(node: fx.Node, heads: int) -> fx.Node:
+    """Walk back from an attention operand through GQA expansion to the ``[B, kv_heads, T, D]`` tensor."""
+    best = node
+    cur = node
+    while cur.op == "call_function" and cur.target in GQA_EXPAND:
+        cur = cur.args[0]
+        shape = _val(cur).shape if isinstance(_val(cur), torch.Tensor) else ()
+        if len(shape) == 4 and isinstance(shape[1], int) and shape[1] <= heads and heads % shape[1] == 0:
+            best = cur
+    return best
+
+
+def _sdpa_site(node: fx.Node, layer: int) -> AttentionSite:
+    q, k, v = node.args[:3]
+    params = dict(zip(["attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa"], node.args[3:]))
+    params.update(node.kwargs)
+    if params.get("dropout_p", 0.0):
+        raise UnsupportedAttentionError(f"{node.name}: attention dropout p={params['dropout_p']} (put the model in eval mode)")
+    qs = _shape(q)
+    if len(qs) != 4:
+        raise UnsupportedAttentionError(f"{node.name}: expected 4-d q [B, heads, T, head_dim], got {qs}")
+    heads = _static(qs[1], "heads", q)
+    head_dim = _static(qs[3], "head_dim", q)
+    k_src, v_src = _gqa_source(k, heads), _gqa_source(v, heads)
+    scale = params.get("scale")
+    return AttentionSite(layer=layer, kind="sdpa", q=q, k=k_src, v=v_src, output=node, heads=heads,
+                         kv_heads=_static(_shape(k_src)[1], "kv_heads", k_src), head_dim=head_dim,
+                         scale=float(scale) if scale is not None else 1.0 / math.sqrt(head_dim),
+                         causal=bool(params.get("is_causal", False)), mask=params.get("attn_mask"))
+
+
+def _manual_site(softmax: fx.Node, layer: int) -> AttentionSite:
+    expected = "matmul(q, k^T) -> [mul|div scale] -> [masked_fill|add|where mask] -> softmax -> matmul(., v)"
+    users = [u for u in softmax.users]
+    probs = softmax
+    while len(users) == 1 and users[0].target in PASS_THROUGH:
+        probs = users[0]
+        users = list(probs.users)
+    if len(users) != 1 or users[0].target not in MATMUL or users[0].args[0] is not probs:
+        raise UnsupportedAttentionError(f"softmax {softmax.name} is not followed by probs @ v; expected {expected}")
+    out = users[0]
+    v = out.args[1]
+    x = _skip(softmax.args[0], PASS_THROUGH)
+    mask = None
+    if x.target in (aten.masked_fill.Scalar, aten.masked_fill.Tensor):
+        x, mask = x.args[0], x.args[1]
+    elif x.target == aten.add.Tensor and isinstance(x.args[1], fx.Node) and _val(x.args[1]) is not None:
+        x, mask = x.args[0], x.args[1]
+    elif x.target == aten.where.self:
+        mask, x = x.args[0], x.args[1]
+    x = _skip(x, PASS_THROUGH)
+    scale = 1.0
+    if x.target in (aten.mul.Tensor, aten.mul.Scalar) and not isinstance(x.args[1], fx.Node):
+        scale, x = float(x.args[1]), x.args[0]
+    elif x.target in (aten.div.Tensor, aten.div.Scalar) and not isinstance(x.args[1], fx.Node):
+        scale, x = 1.0 / float(x.args[1]), x.args[0]
+    if x.target not in MATMUL:
+        raise UnsupportedAttentionError(f"attention scores before {softmax.name} come from {x.name} "
+                                        f"({x.target}); expected {expected}")
+    q, kt = x.args
+    if kt.target != aten.transpose.int or sorted(d % 4 for d in kt.args[1:]) != [2, 3]:
+        raise UnsupportedAttentionError(f"{x.name}: keys must enter as k.transpose(-2, -1); got {kt.name}")
+    qs = _shape(q)
+    if len(qs) != 4:
+        raise UnsupportedAttentionError(f"{x.name}: expected 4-d q [B, heads, T, head_dim], got {qs}")
+    heads = _static(qs[1], "heads", q)
+    k_src, v_src = _gqa_source(kt.args[0], heads), _gqa_source(v, heads)
+    return AttentionSite(layer=layer, kind="manual", q=q, k=k_src, v=v_src, output=out, heads=heads,
+                         kv_heads=_static(_shape(k_src)[1], "kv_heads", k_src),
+                         head_dim=_static(qs[3], "head_dim", q), scale=scale, mask=mask)
+
+
+def find_attention_sites(graph: fx.Graph) -> list[AttentionSite]:
+    """Structurally match every attention site, in graph order."""
+    sites = []
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        if node.target == SDPA:
+            sites.append(_sdpa_site(node, len(sites)))
+        elif node.target in SOFTMAX:
+            sites.append(_manual_site(node, len(sites)))
+    return sites
+
+
+def _find_input_ids(graph: fx.Graph) -> fx.Node:
+    for node in graph.nodes:
+        if node.op == "placeholder" and isinstance(_val(node), torch.Tensor) and not _val(node).is_floating_point():
+            return node
+    raise UnsupportedAttentionError("the graph has no integer token-id input (expected input_ids [B, T])")
+
+
+def _sample_inputs(gm: fx.GraphModule, input_ids: fx.Node, seq_len_expr, vocab: int, length: int) -> list:
+    values = []
+    gen = torch.Generator().manual_seed(0)
+    for node in gm.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        val = _val(node)
+        if isinstance(val, torch.SymInt):
+            values.append(length)
+        elif isinstance(val, torch.Tensor):
+            shape = [length if not isinstance(d, int) else d for d in val.shape]
+            example = node.meta.get("example")
+            if node is not input_ids and isinstance(example, torch.Tensor) and list(example.shape) == shape:
+                values.append(example)  # scalars Dynamo lifted to inputs keep their real value
+            elif node is input_ids:
+                values.append(torch.randint(0, vocab, shape, generator=gen))
+            else:
+                values.append(torch.randn(shape, generator=gen).to(val.dtype))
+        else:
+            values.append(val)
+    return values
+
+
+class _Recorder(fx.Interpreter):
+    def __init__(self, gm, wanted):
+        super().__init__(gm)
+        self.wanted, self.values = wanted, {}
+
+    def run_node(self, n):
+        out = super().run_node(n)
+        if n in self.wanted:
+            self.values[n] = out
+        return out
+
+
+def _mask_allowed(site: AttentionSite, value: torch.Tensor) -> torch.Tensor:
+    """Which (query, key) pairs a mask value lets through, for the pattern it was used in."""
+    if value.dtype == torch.bool:
+        masked_fill = site.output.op == "call_function" and site.kind == "manual" and any(
+            u.target in (aten.masked_fill.Scalar, aten.masked_fill.Tensor) for u in site.mask.users)
+        return ~value if masked_fill else value
+    return value > torch.finfo(value.dtype).min / 2
+
+
+def _verify_sites(gm: fx.GraphModule, analysis: GraphAnalysis, length: int = 6) -> None:
+    """Run the graph once on a short input and prove causality and the GQA head mapping."""
+    sites = analysis.sites
+    wanted = set()
+    for s in sites:
+        wanted |= {s.k, s.v}
+        if s.mask is not None:
+            wanted.add(s.mask)
+        for operand in _operands(s):
+            wanted.add(operand)
+    rec = _Recorder(gm, wanted)
+    seq_expr = _expr(analysis.seq_len) if analysis.seq_len is not None else None
+    T = length if seq_expr is not None else _shape(analysis.input_ids)[1]
+    with torch.no_grad():
+        rec.run(*_sample_inputs(gm, analysis.input_ids, seq_expr, analysis.vocab_size, T))
+    causal = torch.tril(torch.ones(T, T, dtype=torch.bool))
+    for s in sites:
+        if s.mask is not None:
+            allowed = _mask_allowed(s, rec.values[s.mask])
+            allowed = allowed.expand(*allowed.shape[:-2], T, T).reshape(-1, T, T)
+            if bool((allowed == causal).all()):
+                s.causal = True
+            elif bool(allowed.all()) and not s.causal:
+                raise UnsupportedAttentionError(f"{s.output.name} ({s.kind}, layer {s.layer}): bidirectional "
+                                                "attention; a decoder needs a causal mask")
+            elif not s.causal:
+                raise UnsupportedAttentionError(f"{s.output.name} ({s.kind}, layer {s.layer}): unsupported attention "
+                                                "mask (expected a plain causal mask, no padding/sliding window)")
+        if not s.causal:
+            raise UnsupportedAttentionError(f"{s.output.name} ({s.kind}, layer {s.layer}): attention is not causal "
+                                            "(no mask and is_causal=False); expected a causal decoder")
+        k_op, v_op = _operands(s)[1:]
+        rep = s.heads // s.kv_heads
+        for src, used in ((s.k, k_op), (s.v, v_op)):
+            src_val, used_val = rec.values[src], rec.values[used]
+            if used_val.shape[1] == s.kv_heads:  # enable_gqa or MHA: no expansion in the graph
+                expected = src_val
+            else:
+                expected = src_val.repeat_interleave(rep, dim=1)
+            if expected.shape != used_val.shape or not torch.equal(expected, used_val):
+                raise UnsupportedAttentionError(
+                    f"{used.name} (layer {s.layer}): the key/value heads are not expanded as "
+                    f"head h -> kv head h // {rep} (repeat_kv / repeat_interleave); unsupported GQA layout")
+
+
+def _operands(site: AttentionSite) -> tuple[fx.Node, fx.Node, fx.Node]:
+    """The q, k, v tensors exactly as the attention op consumes them (after GQA expansion)."""
+    if site.kind == "sdpa":
+        return tuple(site.output.args[:3])
+    scores = _skip(site.output.args[0], PASS_THROUGH)  # probs
+    x = _skip(scores.args[0], PASS_THROUGH)
+    while x.target not in MATMUL:
+        x = x.args[0] if x.target != aten.where.self else x.args[1]
+        x = _skip(x, PASS_THROUGH)
+    return x.args[0], x.args[1].args[0], site.output.args[1]
+
+
+def _find_position_sources(graph: fx.Graph, seq_expr) -> list[fx.Node]:
+    found = []
+    for node in graph.nodes:
+        if node.op != "call_function" or node.target not in ARANGE:
+            continue
+        args = list(node.args)
+        start, end = (0, args[0]) if node.target == aten.arange.default else (args[0], args[1])
+        step = args[2] if node.target == aten.arange.start_step else 1
+        if seq_expr is not None and _expr(start) == 0 and step == 1 and _expr(end) == seq_expr:
+            found.append(node)
+    return found
+
+
+def analyze(gm: fx.GraphModule, verify: bool = True) -> GraphAnalysis:
+    """Analyze a captured decoder graph (see module docstring)."""
+    graph = gm.graph
+    input_ids = _find_input_ids(graph)
+    ids_shape = _shape(input_ids)
+    if len(ids_shape) != 2:
+        raise UnsupportedAttentionError(f"token ids {input_ids.name} must be [B, T]; got {ids_shape}")
+    seq_expr = _expr(ids_shape[1]) if not isinstance(ids_shape[1], int) else None
+    seq_len = next((n for n in graph.nodes if n.op == "placeholder" and isinstance(_val(n), torch.SymInt)
+                    and seq_expr is not None and _expr(n) == seq_expr), None)
+    nxg = to_networkx(graph)
+    from_ids = nx.descendants(nxg, input_ids)
+    embedding = next((n for n in graph.nodes if n.op == "call_function" and n.target == EMBEDDING
+                      and (n.args[1] is input_ids or n.args[1] in from_ids)), None)
+    if embedding is None:
+        raise UnsupportedAttentionError(f"no aten.embedding reads the token ids {input_ids.name}")
+    output = next(n for n in graph.nodes if n.op == "output")
+    outs = output.args[0]
+    logits = outs[0] if isinstance(outs, (tuple, list)) else outs
+    vocab = _static(_shape(embedding.args[0])[0], "vocabulary", embedding)
+    lshape = _shape(logits)
+    if lshape[-1] != vocab and isinstance(lshape[-1], int):
+        vocab = lshape[-1]
+    sites = find_attention_sites(graph)
+    if not sites:
+        raise UnsupportedAttentionError("no attention found: expected aten.scaled_dot_product_attention or "
+                                        "matmul(q, k^T) -> softmax -> matmul(., v)")
+    analysis = GraphAnalysis(input_ids=input_ids, seq_len=seq_len, embedding=embedding, logits=logits,
+                             vocab_size=vocab, sites=sites,
+                             position_sources=_find_position_sources(graph, seq_expr))
+    if verify:
+        _verify_sites(gm, analysis)
+    return analysis

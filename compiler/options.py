@@ -1,0 +1,71 @@
+"""Backend options: one frozen dataclass, validated on construction.
+
+Every knob the compiler and the runtime read from the user lives here, so a typo is an error at
+the call site rather than a silently ignored keyword.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+KV_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8", "int4")
+PAGE_SIZES = (8, 16, 32)
+CHECK_MODES = ("off", "numeric")
+DUMP_ENV_VAR = "SPECGRAPH_DUMP_DIR"
+
+
+@dataclass(frozen=True)
+class BackendOptions:
+    """Options of the specgraph backend.
+
+    Attributes
+    ----------
+    kv_dtype:
+        Storage type of the KV cache: ``"auto"`` (the model's dtype), ``"float32"``,
+        ``"bfloat16"``, ``"float16"``, ``"fp8"`` (e4m3 + per-token scales) or ``"int4"``.
+    page_size:
+        Tokens per KV-cache block (8, 16 or 32).
+    passes:
+        User passes: plain callables ``fn(gm, ctx)`` or ``@specgraph.graph_pass`` objects. A
+        plain callable without placement runs after every built-in pass.
+    dump_dir:
+        Folder for inspection dumps (graphs before/after each pass, pass log, kernels, MLIR).
+        Defaults to ``$SPECGRAPH_DUMP_DIR`` when set (a debugging aid), else no dumps.
+    check:
+        ``"off"`` or ``"numeric"``: after each pass, run the graph before and after on sample
+        inputs and fail if the outputs differ (slow; for pass authors and tests).
+    mlir:
+        Also dump the captured graph as MLIR through torch-mlir (needs the ``mlir`` extra).
+    """
+
+    kv_dtype: str = "auto"
+    page_size: int = 16
+    passes: Sequence[Callable[..., Any]] = field(default_factory=tuple)
+    dump_dir: str | None = None
+    check: str = "off"
+    mlir: bool = False
+
+    def __post_init__(self) -> None:
+        if self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_dtype={self.kv_dtype!r} is not supported; valid: {', '.join(KV_DTYPES)}")
+        if self.page_size not in PAGE_SIZES:
+            raise ValueError(f"page_size={self.page_size!r} is not supported; valid: {PAGE_SIZES}")
+        if self.check not in CHECK_MODES:
+            raise ValueError(f"check={self.check!r} is not supported; valid: {CHECK_MODES}")
+        for p in self.passes:
+            if not callable(p):
+                raise ValueError(f"passes must be callables fn(gm, ctx); got {p!r}")
+        object.__setattr__(self, "passes", tuple(self.passes))
+        if self.dump_dir is None and os.environ.get(DUMP_ENV_VAR):
+            object.__setattr__(self, "dump_dir", os.environ[DUMP_ENV_VAR])
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> "BackendOptions":
+        """Build options from keywords, rejecting unknown names with the list of valid ones."""
+        names = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(kwargs) - set(names))
+        if unknown:
+            raise ValueError(f"unknown specgraph option(s) {unknown}; valid options: {', '.join(names)}")
+        return cls(**kwargs)

@@ -1,0 +1,28 @@
+"""The order of the built-in passes, in one place.
+
+Phase 1 (every capture): make the graph canonical and find out what it is.
+    normalize   drop no-ops and dead code
+    annotate    attention sites, positions, embedding, logits; sympy shapes in node meta
+Phase 2 (decoder programs): turn the cache-free graph into an incremental, paged decoder.
+    positions   token positions become a program input (no more arange over the sequence)
+    kv_cache    each attention site writes its new K/V to a cache and attends over the cache
+    paging      the cache is addressed through block tables and slot mappings
+    cleanup     dead mask construction and aranges removed
+"""
+from __future__ import annotations
+
+from .passes import GraphPass
+from ..passes.annotate import annotate
+from ..passes.normalize import normalize
+
+CAPTURE_PASSES = [GraphPass(normalize, "normalize"), GraphPass(annotate, "annotate")]
+
+
+def decoder_passes() -> list[GraphPass]:
+    from ..passes.cleanup import cleanup
+    from ..passes.kv_cache import kv_cache
+    from ..passes.paging import paging
+    from ..passes.positions import positions
+
+    return CAPTURE_PASSES + [GraphPass(positions, "positions"), GraphPass(kv_cache, "kv_cache"),
+                             GraphPass(paging, "paging"), GraphPass(cleanup, "cleanup")]

@@ -1,0 +1,32 @@
+"""annotate: run the analysis and record symbolic shapes.
+
+Invariant: the graph is not changed. Afterwards ``ctx.analysis`` holds the
+:class:`~specgraph.compiler.analysis.GraphAnalysis` (attention sites, positions, embedding,
+logits) and every node's ``meta["sym_shape"]`` holds its shape as sympy expressions
+(``(1, s0, 576)``), so later passes and the dumps reason about sizes without guarding on them.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from ..compiler.analysis import analyze
+from ..compiler.passes import PassContext, PassResult
+
+
+def _sym(d):
+    return d.node.expr if isinstance(d, torch.SymInt) else d
+
+
+def annotate(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+    for node in gm.graph.nodes:
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            node.meta["sym_shape"] = tuple(_sym(d) for d in val.shape)
+        elif isinstance(val, torch.SymInt):
+            node.meta["sym_expr"] = val.node.expr
+    ctx.analysis = analyze(gm)
+    sites = ctx.analysis.sites
+    for site in sites:
+        site.output.meta["attention_site"] = site.layer
+    return PassResult(modified=False, matched=len(sites), info={"attention_sites": len(sites)})
