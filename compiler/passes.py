@@ -147,6 +147,7 @@ class PassManager:
             self.dumper.graph("captured", gm)
         for i, p in enumerate(self.passes):
             before = copy_graph_module(gm) if self.check and ctx.sample_inputs else None
+            samples_before = dict(ctx.sample_inputs)
             nodes_before = set(gm.graph.nodes)
             t0 = time.perf_counter()
             try:
@@ -165,17 +166,16 @@ class PassManager:
             if self.dumper is not None:
                 self.dumper.graph(f"after_{p.name}", gm)
             if before is not None:
-                self._check(p.name, before, gm, ctx)
+                self._check(p.name, before, samples_before, gm, ctx)
         if self.dumper is not None:
             self.dumper.pass_log(ctx.log)
         return gm
 
-    def _check(self, name: str, before: fx.GraphModule, after: fx.GraphModule, ctx: PassContext) -> None:
+    def _check(self, name: str, before: fx.GraphModule, samples_before: dict, after: fx.GraphModule,
+               ctx: PassContext) -> None:
         with torch.no_grad():
-            ref = _first_output(before(*placeholder_args(before, ctx.sample_inputs)))
-            fresh = ctx.facts.get("fresh_sample_inputs")
-            values = fresh() if callable(fresh) else ctx.sample_inputs
-            got = _first_output(after(*placeholder_args(after, values)))
+            ref = _first_output(before(*placeholder_args(before, samples_before)))
+            got = _first_output(after(*placeholder_args(after, ctx.sample_inputs)))
         if ref.shape != got.shape or not torch.allclose(ref, got, atol=self.atol, rtol=1e-4):
             diff = (ref - got).abs().max().item() if ref.shape == got.shape else f"shape {ref.shape} vs {got.shape}"
             raise PassCheckError(f"pass {name!r} changed the graph's output (max diff {diff})")

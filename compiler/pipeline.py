@@ -8,6 +8,7 @@ Phase 2 (decoder programs): turn the cache-free graph into an incremental, paged
     kv_cache    each attention site writes its new K/V to a cache and attends over the cache
     paging      the cache is addressed through block tables and slot mappings
     cleanup     dead mask construction and aranges removed
+    select_logits  the LM head runs only on the rows whose logits are needed
 """
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ def decoder_passes() -> list[GraphPass]:
     from ..passes.kv_cache import kv_cache
     from ..passes.paging import paging
     from ..passes.positions import positions
+    from ..passes.select_logits import select_logits
 
     return CAPTURE_PASSES + [GraphPass(positions, "positions"), GraphPass(kv_cache, "kv_cache"),
-                             GraphPass(paging, "paging"), GraphPass(cleanup, "cleanup")]
+                             GraphPass(paging, "paging"), GraphPass(cleanup, "cleanup"),
+                             GraphPass(select_logits, "select_logits")]

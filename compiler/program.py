@@ -1,0 +1,169 @@
+"""DecoderProgram: a compiled decoder that runs one flat token stream against a paged KV cache.
+
+``compile_decoder(model)`` captures ``model`` (token ids ``[1, T]`` -> logits) through Dynamo
+with a symbolic sequence length, runs the full pass pipeline (positions, kv_cache, paging,
+cleanup, select_logits) and wraps the resulting graph. One call of the program runs any mix of
+prefill chunks and decodes of several sequences; what differs is only :class:`AttentionMetadata`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from .backend import CompiledGraph, run_capture_pipeline
+from .options import BackendOptions
+from .pipeline import decoder_passes
+
+
+@dataclass
+class AttentionMetadata:
+    """Where each token of the stream belongs and where its K/V lives.
+
+    Shapes: ``positions [N]`` int64, ``slot_mapping [N]`` int64 (physical cache slot written by
+    each token), ``block_tables [S, max_blocks]`` int32, ``seq_lens [S]`` int32 (tokens in the
+    cache after this step), ``query_start_loc [S + 1]`` int32 (sequence s owns stream tokens
+    ``query_start_loc[s]:query_start_loc[s + 1]``), ``logits_indices [M]`` int64 (stream rows whose
+    logits are returned).
+    """
+
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    query_start_loc: torch.Tensor
+    logits_indices: torch.Tensor
+
+    @staticmethod
+    def build(seqs: list[tuple[list[int], int, list[int]]], page_size: int, logits: list[list[int]]) -> "AttentionMetadata":
+        """From per-sequence ``(block_table, start_position, num_new_tokens)`` tuples.
+
+        ``logits[s]`` lists the offsets (within sequence s's new tokens) that need logits.
+        """
+        positions, slots, qsl, lens, rows = [], [], [0], [], []
+        for (table, start, n), want in zip(seqs, logits):
+            for j in range(start, start + n):
+                positions.append(j)
+                slots.append(table[j // page_size] * page_size + j % page_size)
+            rows.extend(qsl[-1] + o for o in want)
+            qsl.append(qsl[-1] + n)
+            lens.append(start + n)
+        width = max(1, max(len(t) for t, _, _ in seqs))
+        tables = torch.zeros(len(seqs), width, dtype=torch.int32)
+        for i, (t, _, _) in enumerate(seqs):
+            tables[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+        return AttentionMetadata(
+            positions=torch.tensor(positions, dtype=torch.int64), slot_mapping=torch.tensor(slots, dtype=torch.int64),
+            block_tables=tables, seq_lens=torch.tensor(lens, dtype=torch.int32),
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32), logits_indices=torch.tensor(rows, dtype=torch.int64))
+
+
+@dataclass
+class LayerCacheSpec:
+    kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+
+@dataclass
+class DecoderProgram:
+    """The transformed graph plus what is needed to feed it."""
+
+    compiled: CompiledGraph
+    layers: list[LayerCacheSpec]
+    vocab_size: int
+    page_size: int
+    selects_logits: bool
+    static_inputs: dict[str, Any] = field(default_factory=dict)  # lifted scalars, fixed at capture
+
+    @property
+    def gm(self) -> fx.GraphModule:
+        return self.compiled.gm
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def kv_bytes_per_token(self) -> int:
+        return sum(2 * s.kv_heads * s.head_dim * torch.empty((), dtype=s.dtype).element_size() for s in self.layers)
+
+    def new_kv_cache(self, num_blocks: int, device: torch.device | str = "cpu") -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Zeroed per-layer ``(k_cache, v_cache)``, each ``[num_blocks, page_size, kv_heads, head_dim]``."""
+        return [(torch.zeros(num_blocks, self.page_size, s.kv_heads, s.head_dim, dtype=s.dtype, device=device),
+                 torch.zeros(num_blocks, self.page_size, s.kv_heads, s.head_dim, dtype=s.dtype, device=device))
+                for s in self.layers]
+
+    def __call__(self, input_ids: torch.Tensor, meta: AttentionMetadata,
+                 kv_cache: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """Run the stream. ``input_ids [N]`` -> logits ``[M, vocab]`` for ``meta.logits_indices``."""
+        n = input_ids.numel()
+        if meta.positions.numel() != n or meta.slot_mapping.numel() != n:
+            raise ValueError(f"metadata describes {meta.positions.numel()} tokens, the stream has {n}")
+        if len(kv_cache) != len(self.layers):
+            raise ValueError(f"kv_cache has {len(kv_cache)} layers; the model has {len(self.layers)}")
+        values = dict(self.static_inputs)
+        values.update(positions=meta.positions, slot_mapping=meta.slot_mapping, block_tables=meta.block_tables,
+                      seq_lens=meta.seq_lens, query_start_loc=meta.query_start_loc,
+                      logits_indices=meta.logits_indices)
+        values[self._ids_name] = input_ids.view(1, n)
+        if self._len_name is not None:
+            values[self._len_name] = n
+        for layer, (k, v) in enumerate(kv_cache):
+            values[f"k_cache_{layer}"], values[f"v_cache_{layer}"] = k, v
+        out = self.gm(*[values[name] for name in self._order])
+        logits = out[0] if isinstance(out, (tuple, list)) else out
+        logits = logits.reshape(-1, logits.shape[-1])
+        return logits if self.selects_logits else logits.index_select(0, meta.logits_indices)
+
+    def __post_init__(self) -> None:
+        analysis = self.compiled.context.analysis
+        self._ids_name = analysis.input_ids.name
+        self._len_name = analysis.seq_len.name if analysis.seq_len is not None else None
+        self._order = [n.name for n in self.gm.graph.nodes if n.op == "placeholder"]
+
+
+def _model_dtype(model: torch.nn.Module) -> torch.dtype:
+    p = next(iter(model.parameters()), None)
+    return p.dtype if p is not None else torch.float32
+
+
+def compile_decoder(model: torch.nn.Module, options: BackendOptions | None = None, example_len: int = 8,
+                    ) -> DecoderProgram:
+    """Capture ``model`` and run the full decoder pipeline (see module docstring)."""
+    options = options or BackendOptions()
+    result: dict[str, CompiledGraph] = {}
+
+    def capture_backend(gm, example_inputs):
+        result["compiled"] = run_capture_pipeline(gm, example_inputs, options, passes=decoder_passes())
+        return gm.forward
+
+    device = next(iter(model.parameters())).device
+    ids = torch.zeros(1, example_len, dtype=torch.long, device=device)
+    torch._dynamo.mark_dynamic(ids, 1)
+    compiled_model = torch.compile(model, backend=capture_backend, fullgraph=True)
+    with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=1 << 30, accumulated_recompile_limit=1 << 30):
+        try:
+            compiled_model(ids)
+        except torch._dynamo.exc.BackendCompilerFailed as e:
+            raise e.inner_exception if getattr(e, "inner_exception", None) else e
+        except torch._dynamo.exc.Unsupported as e:
+            raise ValueError(f"specgraph needs the whole forward as one graph; Dynamo could not capture it: {e}") from e
+    if "compiled" not in result:
+        raise RuntimeError("Dynamo did not call the specgraph backend (the forward may already be compiled elsewhere "
+                           "with a cache-size limit hit); call torch._dynamo.reset() and retry")
+    compiled = result["compiled"]
+    ctx = compiled.context
+    analysis = ctx.analysis
+    layers = [LayerCacheSpec(s.kv_heads, s.head_dim, ctx.facts["kv_caches"][i][0].meta["val"].dtype)
+              for i, s in enumerate(analysis.sites)]
+    known = {"positions", "slot_mapping", "block_tables", "seq_lens", "query_start_loc", "logits_indices",
+             analysis.input_ids.name} | ({analysis.seq_len.name} if analysis.seq_len is not None else set())
+    static_inputs = {}
+    for node in compiled.gm.graph.nodes:
+        if node.op == "placeholder" and node.name not in known and not node.name.startswith(("k_cache_", "v_cache_")):
+            static_inputs[node.name] = node.meta.get("example")
+    return DecoderProgram(compiled=compiled, layers=layers, vocab_size=analysis.vocab_size,
+                          page_size=options.page_size, selects_logits=ctx.facts.get("selects_logits", False),
+                          static_inputs=static_inputs)

@@ -1,0 +1,17 @@
+"""cleanup: remove what the cache passes made dead (causal-mask construction, aranges, repeats).
+
+Invariant: outputs are unchanged; only nodes without users and without side effects go (the
+cache writes mutate their inputs, so FX keeps them).
+"""
+from __future__ import annotations
+
+import torch.fx as fx
+
+from ..compiler.passes import PassContext, PassResult
+
+
+def cleanup(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+    before = len(gm.graph.nodes)
+    gm.graph.eliminate_dead_code()
+    removed = before - len(gm.graph.nodes)
+    return PassResult(modified=removed > 0, matched=removed)

@@ -1,0 +1,62 @@
+"""Small helpers shared by the decoder passes: adding inputs, refreshing metadata."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+
+def add_input(gm: fx.GraphModule, name: str, fake_val: Any) -> fx.Node:
+    """Append a placeholder named ``name`` after the existing ones (its ``meta["val"]`` set)."""
+    graph = gm.graph
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    if any(p.name == name for p in placeholders):
+        raise ValueError(f"graph already has an input named {name!r}")
+    anchor = placeholders[-1] if placeholders else next(iter(graph.nodes))
+    with graph.inserting_after(anchor):
+        node = graph.placeholder(name)
+    node.meta["val"] = fake_val
+    return node
+
+
+def find_input(gm: fx.GraphModule, name: str) -> fx.Node:
+    for n in gm.graph.nodes:
+        if n.op == "placeholder" and n.name == name:
+            return n
+    raise KeyError(f"graph has no input {name!r}")
+
+
+def fake_like(gm: fx.GraphModule, shape, dtype) -> torch.Tensor:
+    """A fake tensor (of the capture's fake mode) for a new input's metadata."""
+    with gm.meta["fake_mode"]:
+        return torch.empty(shape, dtype=dtype)
+
+
+class _FakeProp(fx.Interpreter):
+    """Runs the graph on fake values, parameters included, recording each node's ``meta["val"]``."""
+
+    def __init__(self, gm: fx.GraphModule, mode):
+        super().__init__(gm)
+        self.mode = mode
+
+    def placeholder(self, target, args, kwargs):
+        return self.current_node.meta["val"]
+
+    def get_attr(self, target, args, kwargs):
+        val = self.current_node.meta.get("val")
+        return val if val is not None else self.mode.from_tensor(super().get_attr(target, args, kwargs))
+
+    def run_node(self, n):
+        self.current_node = n
+        out = super().run_node(n)
+        if n.op != "output":
+            n.meta["val"] = out
+        return out
+
+
+def refresh_meta(gm: fx.GraphModule) -> None:
+    """Recompute every node's ``meta["val"]`` from the inputs' and parameters' fake values."""
+    mode = gm.meta["fake_mode"]
+    with mode, torch.no_grad():
+        _FakeProp(gm, mode).run()

@@ -1,0 +1,87 @@
+"""kv_cache: every attention site writes its new K/V into a cache and attends over the cache.
+
+Invariant: for a token stream holding whole sequences (a prefill into an empty cache), the
+outputs are unchanged; for any stream, each token attends exactly to the K/V of positions
+``0..position`` of its own sequence, wherever those were computed.
+
+The cache here is contiguous, one row per sequence (``[rows, max_len, kv_heads, head_dim]``);
+``paging`` then addresses it through block tables. New inputs: ``cache_rows [S]``,
+``seq_lens [S]``, ``query_start_loc [S+1]`` and ``k_cache_<l>``/``v_cache_<l>`` per layer.
+
+Before / after (one site)::
+
+    o = aten.scaled_dot_product_attention(q, repeat(k), repeat(v), mask, is_causal=...)   # [1, H, N, D]
+    ->
+    specgraph.contiguous_cache_write(k^T [N, KVH, D], v^T, k_cache_0, v_cache_0, cache_rows, qsl, positions)
+    o = specgraph.contiguous_attention(q^T [N, H, D], k_cache_0, v_cache_0, cache_rows, seq_lens, qsl,
+                                       positions, scale) -> [1, H, N, D]
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from .. import kernels  # noqa: F401  (registers the specgraph:: ops)
+from ..compiler.passes import PassContext, PassResult
+from ..kernels import contiguous  # noqa: F401
+from .graph_utils import add_input, fake_like, find_input, refresh_meta
+
+aten = torch.ops.aten
+specgraph = torch.ops.specgraph
+
+
+def cache_dtype(ctx: PassContext, model_dtype: torch.dtype) -> torch.dtype:
+    kv = ctx.options.kv_dtype
+    if kv == "auto":
+        return model_dtype
+    if kv in ("fp8", "int4"):
+        raise ValueError(f"kv_dtype={kv!r} needs the kv_quant pass, which is not available yet")
+    return getattr(torch, kv)
+
+
+def _tokens_major(g: fx.Graph, x: fx.Node, heads: int, head_dim: int) -> fx.Node:
+    """[1, heads, N, D] -> [N, heads, D] (contiguous)."""
+    t = g.call_function(aten.transpose.int, (x, 1, 2))
+    return g.call_function(aten.reshape.default, (t, [-1, heads, head_dim]))
+
+
+def kv_cache(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+    analysis = ctx.analysis
+    g = gm.graph
+    positions = find_input(gm, "positions")
+    n_seq = 1
+    rows = add_input(gm, "cache_rows", fake_like(gm, (n_seq,), torch.int32))
+    seq_lens = add_input(gm, "seq_lens", fake_like(gm, (n_seq,), torch.int32))
+    qsl = add_input(gm, "query_start_loc", fake_like(gm, (n_seq + 1,), torch.int32))
+    T = int(ctx.sample_inputs["positions"].numel()) if "positions" in ctx.sample_inputs else 1
+    caches = []
+    for site in analysis.sites:
+        dtype = cache_dtype(ctx, site.q.meta["val"].dtype)
+        shape = (n_seq, T, site.kv_heads, site.head_dim)
+        kc = add_input(gm, f"k_cache_{site.layer}", fake_like(gm, shape, dtype))
+        vc = add_input(gm, f"v_cache_{site.layer}", fake_like(gm, shape, dtype))
+        caches.append((kc, vc))
+        with g.inserting_before(site.output):
+            k = _tokens_major(g, site.k, site.kv_heads, site.head_dim)
+            v = _tokens_major(g, site.v, site.kv_heads, site.head_dim)
+            q = _tokens_major(g, site.q, site.heads, site.head_dim)
+            g.call_function(specgraph.contiguous_cache_write.default, (k, v, kc, vc, rows, qsl, positions))
+            o = g.call_function(specgraph.contiguous_attention.default,
+                                (q, kc, vc, rows, seq_lens, qsl, positions, site.scale))
+            o = g.call_function(aten.unsqueeze.default, (o, 0))
+            o = g.call_function(aten.transpose.int, (o, 1, 2))
+        site.output.replace_all_uses_with(o)
+        site.output.meta["replaced_by"] = o
+    g.eliminate_dead_code()
+    ctx.facts["kv_caches"] = caches
+    if "positions" in ctx.sample_inputs:
+        ctx.sample_inputs.update(
+            cache_rows=torch.zeros(1, dtype=torch.int32), seq_lens=torch.tensor([T], dtype=torch.int32),
+            query_start_loc=torch.tensor([0, T], dtype=torch.int32))
+        for site in analysis.sites:
+            dtype = cache_dtype(ctx, site.q.meta["val"].dtype)
+            for prefix in ("k", "v"):
+                ctx.sample_inputs[f"{prefix}_cache_{site.layer}"] = torch.zeros(
+                    1, T, site.kv_heads, site.head_dim, dtype=dtype)
+    refresh_meta(gm)
+    return PassResult(matched=len(analysis.sites))
