@@ -1,0 +1,247 @@
+"""Engine: generation and scoring on a compiled, paged decoder with continuous batching.
+
+    engine = specgraph.Engine(model, tokenizer=tok, page_size=16, prefix_caching=True)
+    results = engine.generate(["def fib(n):"], max_new_tokens=64)
+    engine.stats  # tokens_per_second, prefix_cache_hit_rate, kv_pool_usage, kv_bytes_per_token, ...
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from ..compiler.options import BackendOptions
+from ..compiler.program import AttentionMetadata, DecoderProgram, compile_decoder
+from .kv_manager import KVCacheManager
+from .sampling import SamplingParams, sample
+from .scheduler import Request, ScheduledChunk, Scheduler
+
+
+@dataclass
+class GenerationResult:
+    """One prompt's output: new tokens only (EOS included when it ended the sequence)."""
+
+    token_ids: list[int]
+    text: str | None
+    finish_reason: str  # "stop" (EOS or a stop string) or "length"
+    prompt_tokens: int
+    cached_tokens: int
+
+
+def _eos_ids(model: torch.nn.Module, tokenizer) -> set[int]:
+    ids = set()
+    for src in (getattr(tokenizer, "eos_token_id", None), getattr(getattr(model, "generation_config", None),
+                                                                  "eos_token_id", None)):
+        if isinstance(src, int):
+            ids.add(src)
+        elif isinstance(src, (list, tuple)):
+            ids.update(int(i) for i in src)
+    return ids
+
+
+class Engine:
+    """Generation on a specgraph-compiled decoder.
+
+    Parameters
+    ----------
+    model: a Hugging Face causal LM or any module mapping ids ``[1, T]`` to logits.
+    tokenizer: optional; needed for string prompts, ``.text`` and stop strings.
+    kv_dtype, page_size: see :class:`~specgraph.BackendOptions`.
+    prefix_caching: reuse cached full blocks of earlier prompts.
+    kv_cache_memory: bytes of KV cache (all layers, K and V) when ``num_blocks`` is not given.
+    num_blocks: size of the block pool (block 0 is reserved).
+    max_num_seqs, max_tokens_per_step: continuous-batching limits (prefills are chunked to fit).
+    """
+
+    def __init__(self, model: torch.nn.Module, tokenizer=None, *, kv_dtype: str = "auto", page_size: int = 16,
+                 prefix_caching: bool = True, kv_cache_memory: int = 256 << 20, num_blocks: int | None = None,
+                 max_num_seqs: int = 8, max_tokens_per_step: int = 512, passes: Sequence = (),
+                 dump_dir: str | None = None):
+        self.model, self.tokenizer = model, tokenizer
+        options = BackendOptions(kv_dtype=kv_dtype, page_size=page_size, passes=tuple(passes), dump_dir=dump_dir)
+        t0 = time.perf_counter()
+        self.program: DecoderProgram = compile_decoder(model, options)
+        self.compile_seconds = time.perf_counter() - t0
+        per_block = self.program.kv_bytes_per_token() * page_size
+        self.num_blocks = num_blocks if num_blocks is not None else max(2, kv_cache_memory // per_block)
+        if self.num_blocks < 2:
+            raise ValueError(f"num_blocks must be >= 2 (block 0 is reserved); got {self.num_blocks}")
+        device = next(model.parameters()).device
+        self.kv_cache = self.program.new_kv_cache(self.num_blocks, device=device)
+        self.kv = KVCacheManager(self.num_blocks, page_size, enable_prefix_caching=prefix_caching)
+        self.scheduler = Scheduler(self.kv, max_num_seqs=max_num_seqs, max_tokens_per_step=max_tokens_per_step)
+        self.eos_ids = _eos_ids(model, tokenizer)
+        self.page_size = page_size
+        self._next_id = 0
+        self._stats: dict[str, Any] = {}
+        self.reset_stats()
+
+    # ------------------------------------------------------------------ public
+    def generate(self, prompts, max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
+                 top_k: int = 0, seed: int = 0, stop: Sequence[str] | None = None,
+                 ignore_eos: bool = False) -> list[GenerationResult]:
+        """Generate for one prompt or a batch (``str``, ``list[str]``, ``list[int]`` or ``list[list[int]]``)."""
+        params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1; got {max_new_tokens}")
+        prompt_ids = self._encode_prompts(prompts)
+        requests = []
+        for i, ids in enumerate(prompt_ids):
+            gen = None
+            if not params.greedy:
+                gen = torch.Generator().manual_seed(seed * 1_000_003 + i)  # independent streams per sequence
+            requests.append(Request(self._new_id(), ids, max_new_tokens, params, gen, tuple(stop or ())))
+        for r in requests:
+            self.scheduler.add(r)
+        self._ignore_eos = ignore_eos
+        t0 = time.perf_counter()
+        while self.scheduler.has_work():
+            self._step(t0)
+        elapsed = time.perf_counter() - t0
+        new_tokens = sum(len(r.output_ids) for r in requests)
+        self._account(elapsed, new_tokens, requests, t0)
+        return [self._result(r) for r in requests]
+
+    @torch.no_grad()
+    def score(self, token_ids: Sequence[int], chunk_size: int | None = None) -> torch.Tensor:
+        """``log p(token_ids[t] | token_ids[:t])`` for t = 1..len-1, computed through the cache.
+
+        The sequence runs as prefill chunks of ``chunk_size`` tokens (all at once when None),
+        each attending to the cached K/V of the chunks before it. Returns float32 ``[len - 1]``.
+        """
+        ids = list(map(int, token_ids))
+        if len(ids) < 2:
+            raise ValueError("score needs at least 2 tokens")
+        chunk = chunk_size or len(ids)
+        if chunk < 1:
+            raise ValueError(f"chunk_size must be >= 1; got {chunk_size}")
+        sid = self._new_id()
+        need = -(-len(ids) // self.page_size)
+        if need > self.num_blocks - 1:
+            raise ValueError(f"KV pool exhausted: scoring {len(ids)} tokens needs {need} blocks, the pool has "
+                             f"{self.num_blocks - 1}")
+        self.kv.add_sequence(sid, [])  # scoring needs every position's logits: no prefix reuse
+        out = []
+        try:
+            for start in range(0, len(ids) - 1, chunk):
+                n = min(chunk, len(ids) - 1 - start)
+                copies = self.kv.allocate(sid, n)
+                if copies is None:
+                    raise RuntimeError("KV pool exhausted while scoring (other requests hold the blocks)")
+                self._copy_blocks(copies)
+                meta = AttentionMetadata.build([(self.kv.block_table(sid), start, n)], self.page_size, [list(range(n))])
+                logits = self.program(torch.tensor(ids[start:start + n]), meta, self.kv_cache)
+                logp = torch.log_softmax(logits.float(), dim=-1)
+                out.append(logp.gather(1, torch.tensor(ids[start + 1:start + 1 + n]).view(-1, 1)).view(-1))
+        finally:
+            self.kv.free(sid)
+        return torch.cat(out)
+
+    @property
+    def stats(self) -> dict[str, Any]:
+        s = dict(self._stats)
+        s["prefix_cache_hit_rate"] = self.kv.prefix_cache_hit_rate
+        s["kv_pool_usage"] = self.kv.usage
+        s["kv_bytes_per_token"] = self.program.kv_bytes_per_token()
+        s["kv_pool_tokens"] = (self.num_blocks - 1) * self.page_size
+        s["preemptions"] = self.scheduler.preemptions
+        return s
+
+    def reset_stats(self) -> None:
+        self._stats = dict(tokens_per_second=0.0, generated_tokens=0, prompt_tokens=0, cached_prompt_tokens=0,
+                           target_forwards=0, kv_pool_peak_usage=0.0, time_to_first_token_s=0.0, elapsed_s=0.0)
+
+    # ---------------------------------------------------------------- internals
+    def _new_id(self) -> int:
+        self._next_id += 1
+        return self._next_id
+
+    def _encode_prompts(self, prompts) -> list[list[int]]:
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        out = []
+        for p in prompts:
+            if isinstance(p, str):
+                if self.tokenizer is None:
+                    raise ValueError("string prompts need a tokenizer: Engine(model, tokenizer=...)")
+                ids = self.tokenizer(p, add_special_tokens=False)["input_ids"]
+            else:
+                ids = [int(t) for t in p]
+            if not ids:
+                raise ValueError("empty prompt")
+            vocab = self.program.vocab_size
+            if min(ids) < 0 or max(ids) >= vocab:
+                raise ValueError(f"prompt token ids must be in [0, {vocab}); got min {min(ids)} max {max(ids)}")
+            out.append(ids)
+        return out
+
+    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        for src, dst in copies:
+            for k, v in self.kv_cache:
+                k[dst].copy_(k[src])
+                v[dst].copy_(v[src])
+
+    @torch.no_grad()
+    def _step(self, t0: float) -> None:
+        chunks, copies = self.scheduler.schedule()
+        if not chunks:
+            raise RuntimeError("scheduler produced an empty step with work pending")
+        self._copy_blocks(copies)
+        ids: list[int] = []
+        for c in chunks:
+            ids += c.request.all_ids[c.start:c.start + c.num_tokens]
+        meta = AttentionMetadata.build(
+            [(self.kv.block_table(c.request.request_id), c.start, c.num_tokens) for c in chunks], self.page_size,
+            [[c.num_tokens - 1] if c.wants_logits else [] for c in chunks])
+        logits = self.program(torch.tensor(ids, dtype=torch.long), meta, self.kv_cache)
+        self._stats["target_forwards"] += 1
+        self._stats["kv_pool_peak_usage"] = max(self._stats["kv_pool_peak_usage"], self.kv.usage)
+        row = 0
+        for c in chunks:
+            r = c.request
+            r.num_computed = c.start + c.num_tokens
+            self.kv.commit(r.request_id, r.all_ids[:r.num_computed])
+            if not c.wants_logits:
+                continue
+            token = sample(logits[row], r.params, r.generator)
+            row += 1
+            r.output_ids.append(token)
+            if r.first_token_time is None:
+                r.first_token_time = time.perf_counter() - t0
+            reason = self._finish_reason(r)
+            if reason is not None:
+                r.finish_reason = reason
+                self.scheduler.finish(r)
+
+    def _finish_reason(self, r: Request) -> str | None:
+        if r.output_ids[-1] in self.eos_ids and not self._ignore_eos:
+            return "stop"
+        if r.stop and self.tokenizer is not None:
+            text = self.tokenizer.decode(r.output_ids[-16:], skip_special_tokens=True)
+            if any(s in text for s in r.stop):
+                return "stop"
+        if len(r.output_ids) >= r.max_new_tokens:
+            return "length"
+        return None
+
+    def _result(self, r: Request) -> GenerationResult:
+        ids = r.output_ids
+        text = None
+        if self.tokenizer is not None:
+            text = self.tokenizer.decode(ids, skip_special_tokens=True)
+            for s in r.stop:
+                if s in text:
+                    text = text[:text.index(s)]
+        return GenerationResult(ids, text, r.finish_reason or "length", len(r.prompt_ids), r.cached_tokens)
+
+    def _account(self, elapsed: float, new_tokens: int, requests: list[Request], t0: float) -> None:
+        s = self._stats
+        s["elapsed_s"] = elapsed
+        s["generated_tokens"] = new_tokens
+        s["tokens_per_second"] = new_tokens / elapsed if elapsed > 0 else 0.0
+        s["prompt_tokens"] = sum(len(r.prompt_ids) for r in requests)
+        s["cached_prompt_tokens"] = sum(r.cached_tokens for r in requests)
+        ttft = [r.first_token_time for r in requests if r.first_token_time is not None]
+        s["time_to_first_token_s"] = sum(ttft) / len(ttft) if ttft else 0.0
