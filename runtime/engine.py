@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -75,14 +75,21 @@ class Engine:
         self.eos_ids = _eos_ids(model, tokenizer)
         self.page_size = page_size
         self._next_id = 0
+        self._ignore_eos = False
+        self._on_token = None
         self._stats: dict[str, Any] = {}
         self.reset_stats()
 
     # ------------------------------------------------------------------ public
     def generate(self, prompts, max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
                  top_k: int = 0, seed: int = 0, stop: Sequence[str] | None = None,
-                 ignore_eos: bool = False) -> list[GenerationResult]:
-        """Generate for one prompt or a batch (``str``, ``list[str]``, ``list[int]`` or ``list[list[int]]``)."""
+                 ignore_eos: bool = False, on_token: Callable[[int, int], None] | None = None
+                 ) -> list[GenerationResult]:
+        """Generate for one prompt or a batch (``str``, ``list[str]``, ``list[int]`` or ``list[list[int]]``).
+
+        ``on_token(prompt_index, token_id)`` is called for every new token as it is produced
+        (streaming). ``ignore_eos`` keeps generating past EOS (benchmarks).
+        """
         params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1; got {max_new_tokens}")
@@ -96,6 +103,8 @@ class Engine:
         for r in requests:
             self.scheduler.add(r)
         self._ignore_eos = ignore_eos
+        self._on_token = (lambda rid, tok: on_token(index[rid], tok)) if on_token else None
+        index = {r.request_id: i for i, r in enumerate(requests)}
         t0 = time.perf_counter()
         while self.scheduler.has_work():
             self._step(t0)
@@ -208,6 +217,8 @@ class Engine:
             token = sample(logits[row], r.params, r.generator)
             row += 1
             r.output_ids.append(token)
+            if self._on_token is not None:
+                self._on_token(r.request_id, token)
             if r.first_token_time is None:
                 r.first_token_time = time.perf_counter() - t0
             reason = self._finish_reason(r)

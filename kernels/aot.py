@@ -1,0 +1,216 @@
+"""Ahead-of-time compilation of every kernel specialization we launch, for NVIDIA targets.
+
+``triton.compile(ASTSource(...), target=GPUTarget("cuda", arch, 32))`` lowers a
+``@triton.jit`` function to PTX and (with the bundled ptxas) a cubin without a GPU, so
+this is the CI check that the kernels build for sm_80 / sm_90 on a CPU-only machine.
+
+It cannot run under ``TRITON_INTERPRET=1``: that env var makes ``@triton.jit`` return
+interpreter objects, which have nothing to compile. Run it in a process without the var
+(``tests/test_kernels_aot.py`` uses a subprocess), e.g.::
+
+    python -c "from specgraph.kernels.aot import compile_all; compile_all(90, 'dump/')"
+
+Specializations
+---------------
+Constexprs are what change the binary. ``cache_write``: dtype x head_dim.
+``paged_attention``: dtype x head_dim x page_size, with the GQA group size ``G`` a
+runtime argument (every ``G <= 16`` runs the ``BLOCK_G = 16`` binary, so G in
+{1, 3, 4, 8} shares one build). Page size only changes index arithmetic, so the other
+page sizes are built for two (dtype, head_dim) points rather than the full cross product
+(measured on the 2-core dev box, cold Triton cache: 22 builds per arch, 14-25 s per arch
+depending on load; the full 27-point paged_attention cross product alone took ~35 s per
+arch). Triton's on-disk cache makes warm reruns take a few seconds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import os
+import time
+from pathlib import Path
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+
+from . import cache_write as _cache_write_mod
+from . import paged_attention as _paged_attention_mod
+from . import triton_helpers as _triton_helpers_mod
+
+ARCHS = (80, 90)
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+HEAD_DIMS = (32, 64, 128)
+PAGE_SIZES = (8, 16, 32)
+GQA_GROUPS = (1, 3, 4, 8)
+_DEFAULT_PAGE_SIZE = 16
+_TRITON_TYPE = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelSpec:
+    """One compiled specialization: which kernel and the values of its constexprs."""
+
+    kernel_name: str  # "cache_write" | "paged_attention"
+    dtype: torch.dtype  # cache dtype (q / k / v use the same)
+    head_dim: int
+    page_size: int | None = None  # paged_attention only
+    block_g: int | None = None  # paged_attention only: padded GQA group
+
+    @property
+    def tag(self) -> str:
+        parts = [self.kernel_name, _TRITON_TYPE[self.dtype], f"d{self.head_dim}"]
+        if self.page_size is not None:
+            parts += [f"p{self.page_size}", f"g{self.block_g}"]
+        return "_".join(parts)
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileResult:
+    spec: KernelSpec
+    arch: int  # SM version, e.g. 90
+    ptx: str
+    cubin_size: int  # bytes
+    seconds: float
+
+
+def _cache_write_source(spec: KernelSpec) -> triton.compiler.ASTSource:
+    t = _TRITON_TYPE[spec.dtype]
+    signature = {
+        "k_ptr": f"*{t}", "v_ptr": f"*{t}", "k_cache_ptr": f"*{t}", "v_cache_ptr": f"*{t}",
+        "slot_mapping_ptr": "*i64",
+        "stride_kn": "i32", "stride_kh": "i32", "stride_vn": "i32", "stride_vh": "i32",
+        "stride_cache_slot": "i32", "stride_cache_head": "i32",
+        "HEAD_DIM": "constexpr", "BLOCK_D": "constexpr", "INTERPRETER": "constexpr",
+    }
+    constexprs = {
+        "HEAD_DIM": spec.head_dim,
+        "BLOCK_D": triton.next_power_of_2(spec.head_dim),
+        "INTERPRETER": False,
+    }
+    return triton.compiler.ASTSource(
+        fn=_cache_write_mod._cache_write_kernel, signature=signature, constexprs=constexprs
+    )
+
+
+def _paged_attention_source(spec: KernelSpec) -> triton.compiler.ASTSource:
+    t = _TRITON_TYPE[spec.dtype]
+    signature = {
+        "out_ptr": f"*{t}", "q_ptr": f"*{t}", "k_cache_ptr": f"*{t}", "v_cache_ptr": f"*{t}",
+        "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "positions_ptr": "*i64",
+        "seq_ids_ptr": "*i32",
+        "qk_scale": "fp32",
+        "stride_qn": "i32", "stride_qh": "i32", "stride_on": "i32", "stride_oh": "i32",
+        "stride_cache_block": "i32", "stride_cache_page": "i32", "stride_cache_head": "i32",
+        "stride_bt": "i32",
+        "group": "i32",
+        "HEAD_DIM": "constexpr", "BLOCK_D": "constexpr", "BLOCK_G": "constexpr",
+        "PAGE_SIZE": "constexpr", "BLOCK_N": "constexpr", "INTERPRETER": "constexpr",
+    }
+    constexprs = {
+        "HEAD_DIM": spec.head_dim,
+        "BLOCK_D": triton.next_power_of_2(spec.head_dim),
+        "BLOCK_G": spec.block_g,
+        "PAGE_SIZE": spec.page_size,
+        "BLOCK_N": _paged_attention_mod.BLOCK_N,
+        "INTERPRETER": False,
+    }
+    return triton.compiler.ASTSource(
+        fn=_paged_attention_mod._paged_attention_kernel, signature=signature, constexprs=constexprs
+    )
+
+
+_KERNELS = {
+    "cache_write": (_cache_write_mod._cache_write_kernel, _cache_write_source),
+    "paged_attention": (_paged_attention_mod._paged_attention_kernel, _paged_attention_source),
+}
+
+
+def specializations(kernel_name: str) -> list[KernelSpec]:
+    """The specializations of ``kernel_name`` that the launchers can produce (trimmed, see module doc)."""
+    _check_kernel_name(kernel_name)
+    if kernel_name == "cache_write":
+        return [KernelSpec("cache_write", dt, d) for dt in DTYPES for d in HEAD_DIMS]
+    block_gs = sorted({max(_paged_attention_mod.MIN_BLOCK_G, triton.next_power_of_2(g)) for g in GQA_GROUPS})
+    specs = [
+        KernelSpec("paged_attention", dt, d, _DEFAULT_PAGE_SIZE, bg)
+        for dt in DTYPES for d in HEAD_DIMS for bg in block_gs
+    ]
+    # Other page sizes: one tensor-core (bf16) and one FMA (fp32, "ieee" dot) point.
+    specs += [
+        KernelSpec("paged_attention", dt, d, p, bg)
+        for dt, d in ((torch.bfloat16, 128), (torch.float32, 32))
+        for p in PAGE_SIZES if p != _DEFAULT_PAGE_SIZE for bg in block_gs
+    ]
+    return specs
+
+
+def compile_spec(spec: KernelSpec, arch: int) -> CompileResult:
+    """Compile one specialization for ``sm_{arch}``; raises on any build failure."""
+    _check_not_interpreted()
+    src = _KERNELS[spec.kernel_name][1](spec)
+    start = time.perf_counter()
+    # enable_fp_fusion is spelled out to pin today's default (and silence Triton 3.9's warning).
+    compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"enable_fp_fusion": True})
+    seconds = time.perf_counter() - start
+    ptx, cubin = compiled.asm.get("ptx", ""), compiled.asm.get("cubin", b"")
+    if not ptx or not cubin:
+        raise RuntimeError(f"{spec.tag} for sm_{arch}: empty PTX or cubin")
+    return CompileResult(spec=spec, arch=arch, ptx=ptx, cubin_size=len(cubin), seconds=seconds)
+
+
+def compile_for_target(kernel_name: str, arch: int | str) -> list[CompileResult]:
+    """Compile every specialization of ``kernel_name`` for ``arch`` (80, 90, or "sm_90")."""
+    arch = _parse_arch(arch)
+    return [compile_spec(spec, arch) for spec in specializations(kernel_name)]
+
+
+def compile_all(arch: int | str, dump_dir: str | os.PathLike | None = None) -> list[CompileResult]:
+    """Compile every specialization of every kernel for ``arch``.
+
+    With ``dump_dir``, writes ``<kernel>.py`` (the kernel's Python source),
+    ``triton_helpers.py`` (the ``@triton.jit`` helpers they call) and
+    ``<tag>.sm<arch>.ptx`` per specialization into it.
+
+    Example
+    -------
+    >>> results = compile_all(90, "/tmp/ptx")   # doctest: +SKIP
+    >>> sum(r.cubin_size for r in results) > 0  # doctest: +SKIP
+    True
+    """
+    arch = _parse_arch(arch)
+    _check_not_interpreted()
+    results = []
+    for name in _KERNELS:
+        results += compile_for_target(name, arch)
+    if dump_dir is not None:
+        out = Path(dump_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        for name, (kernel, _) in _KERNELS.items():
+            (out / f"{name}.py").write_text(inspect.getsource(kernel.fn))
+        (out / "triton_helpers.py").write_text(inspect.getsource(_triton_helpers_mod))  # cast / dot
+        for r in results:
+            (out / f"{r.spec.tag}.sm{r.arch}.ptx").write_text(r.ptx)
+    return results
+
+
+def _check_kernel_name(kernel_name: str) -> None:
+    if kernel_name not in _KERNELS:
+        raise ValueError(f"unknown kernel {kernel_name!r}; valid: {sorted(_KERNELS)}")
+
+
+def _parse_arch(arch: int | str) -> int:
+    value = int(arch.removeprefix("sm_")) if isinstance(arch, str) else int(arch)
+    if value not in ARCHS:
+        raise ValueError(f"unsupported arch {arch!r}; valid: {[f'sm_{a}' for a in ARCHS]}")
+    return value
+
+
+def _check_not_interpreted() -> None:
+    interpreted = [n for n, (k, _) in _KERNELS.items() if not isinstance(k, triton.runtime.JITFunction)]
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") or interpreted:
+        raise RuntimeError(
+            "AOT compilation needs real @triton.jit functions, but TRITON_INTERPRET=1 replaced "
+            f"them with interpreter objects ({interpreted or 'env var set'}); run compile_all in a "
+            "process started without TRITON_INTERPRET (set before specgraph.kernels was imported)"
+        )

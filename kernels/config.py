@@ -1,0 +1,44 @@
+"""Explicit switch between the pure-torch reference kernels and the Triton kernels.
+
+The ``specgraph::`` ops (see ``ops.py``) pick an implementation per call:
+
+* CUDA tensors always run the Triton launcher;
+* CPU tensors run the ``*_ref`` torch code (the production CPU path), unless the caller
+  forces the Triton launcher with :func:`use_triton_kernels`. On CPU that only works
+  under ``TRITON_INTERPRET=1``; tests use it to run the real kernels in the interpreter.
+
+The switch is a ``ContextVar`` scoped by a context manager, not an env var, so that it is
+visible at the call site and cannot leak between threads or tests.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
+
+_FORCE_TRITON: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "specgraph_force_triton_kernels", default=False
+)
+
+
+@contextlib.contextmanager
+def use_triton_kernels(enabled: bool = True) -> Iterator[None]:
+    """Force (or, with ``enabled=False``, stop forcing) the Triton path for CPU tensors.
+
+    Example
+    -------
+    >>> with use_triton_kernels():           # doctest: +SKIP
+    ...     out = torch.ops.specgraph.paged_attention(...)   # runs the Triton kernel
+    """
+    token = _FORCE_TRITON.set(bool(enabled))
+    try:
+        yield
+    finally:
+        _FORCE_TRITON.reset(token)
+
+
+def triton_kernels_forced() -> bool:
+    """True inside ``use_triton_kernels(True)``."""
+    return _FORCE_TRITON.get()
+

@@ -1,0 +1,85 @@
+"""AOT: every kernel specialization builds to PTX + cubin for sm_80 and sm_90, without a GPU.
+
+The compile runs in a subprocess started without TRITON_INTERPRET (which this module and
+conftest set for the interpreter tests): under it @triton.jit returns interpreter objects.
+"""
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported (conftest does it too)
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from specgraph.kernels import aot
+
+SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    from specgraph.kernels.aot import compile_all
+    summary = {}
+    for arch in (80, 90):
+        results = compile_all(arch, dump_dir=sys.argv[1])
+        summary[arch] = [dict(tag=r.spec.tag, ptx_chars=len(r.ptx), cubin_size=r.cubin_size,
+                              target_line=next(l for l in r.ptx.splitlines() if l.startswith(".target")))
+                         for r in results]
+    print("SUMMARY " + json.dumps(summary))
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    dump_dir = tmp_path_factory.mktemp("aot_dump")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(dump_dir)], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, f"AOT compile failed:\n{proc.stderr[-6000:]}"
+    line = next(l for l in proc.stdout.splitlines() if l.startswith("SUMMARY "))
+    return {int(arch): rows for arch, rows in json.loads(line.removeprefix("SUMMARY ")).items()}, dump_dir
+
+
+def test_every_specialization_builds(compiled):
+    summary, _ = compiled
+    expected = sorted(s.tag for name in ("cache_write", "paged_attention") for s in aot.specializations(name))
+    for arch, rows in summary.items():
+        assert sorted(r["tag"] for r in rows) == expected
+        for r in rows:
+            assert r["ptx_chars"] > 0 and r["cubin_size"] > 0, (arch, r)
+            assert r["target_line"].startswith(f".target sm_{arch}"), (arch, r)
+
+
+def test_dump_dir_has_sources_and_ptx(compiled):
+    summary, dump_dir = compiled
+    assert "@triton.jit" in (dump_dir / "paged_attention.py").read_text()
+    assert "@triton.jit" in (dump_dir / "cache_write.py").read_text()
+    for arch, rows in summary.items():
+        for r in rows:
+            assert (dump_dir / f"{r['tag']}.sm{arch}.ptx").stat().st_size == r["ptx_chars"]
+
+
+def test_specializations_cover_the_launch_matrix():
+    """Every (dtype, head_dim) and GQA group we support maps to a built paged_attention binary."""
+    specs = aot.specializations("paged_attention")
+    built = {(s.dtype, s.head_dim, s.block_g) for s in specs}
+    for dtype in aot.DTYPES:
+        for head_dim in aot.HEAD_DIMS:
+            for group in aot.GQA_GROUPS:
+                assert (dtype, head_dim, max(16, 1 << (group - 1).bit_length())) in built
+    assert {s.page_size for s in specs} == set(aot.PAGE_SIZES)
+
+
+def test_refuses_to_run_under_the_interpreter():
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
+        aot.compile_all(90)
+
+
+def test_unknown_names_raise_value_error():
+    with pytest.raises(ValueError, match="valid"):
+        aot.compile_for_target("flash_attention", 90)
+    with pytest.raises(ValueError, match="sm_80"):
+        aot.compile_all("sm_75")

@@ -1,0 +1,100 @@
+"""specgraph:: custom ops: dispatch, fake impls (opcheck) and torch.compile(fullgraph=True)."""
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported (conftest does it too)
+
+import pytest
+import torch
+from torch._dynamo.testing import AotEagerAndRecordGraphs, EagerAndRecordGraphs
+
+import specgraph.kernels  # noqa: F401  (registers torch.ops.specgraph.*)
+from specgraph.kernels import ops, triton_kernels_forced, use_triton_kernels
+from specgraph.kernels.paged_attention import paged_attention_ref
+from specgraph.kernels.triton_helpers import is_interpreted
+
+if not is_interpreted(specgraph.kernels.paged_attention._paged_attention_kernel):
+    pytest.skip("specgraph.kernels was imported before TRITON_INTERPRET=1 was set", allow_module_level=True)
+
+PAGE, KVH, GROUP, D = 8, 2, 2, 32
+
+
+def make_inputs(seed=0):
+    """Two sequences: a 3-token chunk at positions 9..11 and a decode at position 4."""
+    gen = torch.Generator().manual_seed(seed)
+    k_cache = torch.randn(5, PAGE, KVH, D, generator=gen)
+    v_cache = torch.randn(5, PAGE, KVH, D, generator=gen)
+    block_tables = torch.tensor([[3, 0], [1, 4]], dtype=torch.int32)
+    seq_lens = torch.tensor([12, 5], dtype=torch.int32)
+    query_start_loc = torch.tensor([0, 3, 4], dtype=torch.int32)
+    positions = torch.tensor([9, 10, 11, 4])
+    seq_ids = torch.tensor([0, 0, 0, 1])
+    slot_mapping = block_tables[seq_ids, positions // PAGE].long() * PAGE + positions % PAGE
+    q = torch.randn(4, KVH * GROUP, D, generator=gen)
+    k = torch.randn(4, KVH, D, generator=gen)
+    v = torch.randn(4, KVH, D, generator=gen)
+    return dict(q=q, k=k, v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping,
+                block_tables=block_tables, seq_lens=seq_lens, query_start_loc=query_start_loc, positions=positions)
+
+
+def step(q, k, v, k_cache, v_cache, slot_mapping, block_tables, seq_lens, query_start_loc, positions):
+    """One attention layer's cache write + paged attention, as the compiled model calls them."""
+    torch.ops.specgraph.cache_write(k, v, k_cache, v_cache, slot_mapping)
+    out = torch.ops.specgraph.paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+                                              positions, D**-0.5)
+    return out * 2
+
+
+def test_dispatch_cpu_uses_ref_unless_forced(monkeypatch):
+    calls = []
+    monkeypatch.setattr(ops, "paged_attention_ref", lambda *a: calls.append("ref") or paged_attention_ref(*a))
+    real_triton = ops.paged_attention_triton
+    monkeypatch.setattr(ops, "paged_attention_triton", lambda *a: calls.append("triton") or real_triton(*a))
+    x = make_inputs()
+    step(**x)
+    assert not triton_kernels_forced()
+    with use_triton_kernels():
+        assert triton_kernels_forced()
+        step(**x)
+        with use_triton_kernels(False):
+            step(**x)
+    assert not triton_kernels_forced()
+    assert calls == ["ref", "triton", "ref"]
+
+
+def test_opcheck_fake_impls():
+    x = make_inputs()
+    torch.library.opcheck(torch.ops.specgraph.cache_write.default,
+                          (x["k"], x["v"], x["k_cache"], x["v_cache"], x["slot_mapping"]))
+    torch.library.opcheck(torch.ops.specgraph.paged_attention.default,
+                          (x["q"], x["k_cache"], x["v_cache"], x["block_tables"], x["seq_lens"],
+                           x["query_start_loc"], x["positions"], D**-0.5))
+
+
+def _targets(gm: torch.fx.GraphModule) -> str:
+    """Called ops; aot wraps the mutating cache_write as ``auto_functionalized_v2(op, ...)``."""
+    calls = [n for n in gm.graph.nodes if n.op == "call_function"]
+    return " ".join(f"{n.target}({n.args[0]})" if "auto_functionalized" in str(n.target) else str(n.target)
+                    for n in calls)
+
+
+@pytest.mark.parametrize("aot", [False, True], ids=["eager", "aot_eager"])
+@pytest.mark.parametrize("force_triton", [False, True], ids=["ref", "triton"])
+def test_torch_compile_fullgraph(aot, force_triton):
+    torch._dynamo.reset()
+    backend = AotEagerAndRecordGraphs() if aot else EagerAndRecordGraphs()
+    eager_inputs, compiled_inputs = make_inputs(), make_inputs()
+    expected = step(**eager_inputs)
+    compiled = torch.compile(step, backend=backend, fullgraph=True)
+    with use_triton_kernels(force_triton):
+        out = compiled(**compiled_inputs)
+    torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-5)
+    # The mutation reached the caller's cache (aot_eager functionalizes it, then copies back).
+    torch.testing.assert_close(compiled_inputs["k_cache"], eager_inputs["k_cache"], atol=0, rtol=0)
+    torch.testing.assert_close(compiled_inputs["v_cache"], eager_inputs["v_cache"], atol=0, rtol=0)
+    assert not torch.equal(compiled_inputs["k_cache"], make_inputs()["k_cache"])
+    # One graph holding both ops (the fake impls let them be traced, not graph-broken).
+    graphs = backend.fw_graphs if aot else backend.graphs
+    assert len(backend.graphs) == 1 and len(graphs) == 1
+    targets = _targets(graphs[0])
+    assert "specgraph.paged_attention" in targets and "specgraph.cache_write" in targets, targets

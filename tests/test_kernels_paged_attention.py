@@ -1,0 +1,224 @@
+"""paged_attention: Triton (interpreter) == torch ref == naive dense attention.
+
+Batches are ragged streams of decodes (1 token at seq_len - 1), chunked prefills
+(positions start > 0), full prefills and empty sequences, over random non-contiguous
+block tables with blocks shared between sequences (prefix caching).
+"""
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported (conftest does it too)
+
+import dataclasses
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from triton.runtime.interpreter import InterpretedFunction
+
+from specgraph.kernels import paged_attention as pa
+from specgraph.kernels.cache_write import cache_write_ref
+from specgraph.kernels.paged_attention import paged_attention_ref, paged_attention_triton
+
+if not isinstance(pa._paged_attention_kernel, InterpretedFunction):
+    pytest.skip("specgraph.kernels was imported before TRITON_INTERPRET=1 was set", allow_module_level=True)
+
+ATOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
+RTOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+@dataclasses.dataclass
+class Batch:
+    """One attention problem, both paged (kernel inputs) and dense (for the naive reference)."""
+
+    q: torch.Tensor  # [N, H, D]
+    k_cache: torch.Tensor  # [num_blocks, page_size, KVH, D]
+    v_cache: torch.Tensor
+    block_tables: torch.Tensor  # [S, max_blocks] int32
+    seq_lens: torch.Tensor  # [S] int32
+    query_start_loc: torch.Tensor  # [S + 1] int32
+    positions: torch.Tensor  # [N] int64
+    scale: float
+    dense_k: list  # per sequence [seq_len, KVH, D], cache dtype
+    dense_v: list
+
+    def args(self):
+        return (self.q, self.k_cache, self.v_cache, self.block_tables, self.seq_lens,
+                self.query_start_loc, self.positions, self.scale)
+
+
+def make_batch(seed, page_size, kv_heads, group, head_dim, dtype, seqs) -> Batch:
+    """``seqs``: per sequence ``(seq_len, num_queries, shared_pages)``; the queries are the
+    last ``num_queries`` positions and the first ``shared_pages`` pages are seq 0's blocks."""
+    gen = torch.Generator().manual_seed(seed)
+    seq_lens = [L for L, _, _ in seqs]
+    num_queries = [n for _, n, _ in seqs]
+    shared = [sh for _, _, sh in seqs]
+    num_seqs = len(seqs)
+
+    # Dense K/V per sequence; a shared prefix is a copy of seq 0's.
+    dense_k = [torch.randn(L, kv_heads, head_dim, generator=gen).to(dtype) for L in seq_lens]
+    dense_v = [torch.randn(L, kv_heads, head_dim, generator=gen).to(dtype) for L in seq_lens]
+    for s in range(1, num_seqs):
+        n = shared[s] * page_size
+        assert n <= min(seq_lens[0], seq_lens[s])
+        dense_k[s][:n] = dense_k[0][:n]
+        dense_v[s][:n] = dense_v[0][:n]
+
+    # Random non-contiguous block ids; shared pages reuse seq 0's ids.
+    pages = [-(-L // page_size) for L in seq_lens]
+    num_blocks = sum(pages) + 3
+    free = torch.randperm(num_blocks, generator=gen).tolist()
+    max_blocks = max(pages) + 1
+    rows = []
+    for s in range(num_seqs):
+        row = [rows[0][j] if j < shared[s] else free.pop() for j in range(pages[s])]
+        # Pad with garbage ids: the kernels must never read past seq_len.
+        row += torch.randint(0, num_blocks, (max_blocks - pages[s],), generator=gen).tolist()
+        rows.append(row)
+    block_tables = torch.tensor(rows, dtype=torch.int32)
+
+    # Fill the cache through cache_write_ref (shared slots written once: -1 for the copies).
+    k_cache = torch.randn(num_blocks, page_size, kv_heads, head_dim, generator=gen).to(dtype)
+    v_cache = torch.randn(num_blocks, page_size, kv_heads, head_dim, generator=gen).to(dtype)
+    for s in range(num_seqs):
+        j = torch.arange(seq_lens[s])
+        slots = block_tables[s, j // page_size].long() * page_size + j % page_size
+        slots[: shared[s] * page_size] = -1
+        cache_write_ref(dense_k[s], dense_v[s], k_cache, v_cache, slots)
+
+    positions = torch.cat([torch.arange(L - n, L) for L, n in zip(seq_lens, num_queries)]).long()
+    query_start_loc = torch.tensor([0] + num_queries).cumsum(0).to(torch.int32)
+    q = torch.randn(sum(num_queries), kv_heads * group, head_dim, generator=gen).to(dtype)
+    return Batch(q, k_cache, v_cache, block_tables, torch.tensor(seq_lens, dtype=torch.int32),
+                 query_start_loc, positions, head_dim**-0.5, dense_k, dense_v)
+
+
+@st.composite
+def batches(draw, head_dims=st.sampled_from([32, 64]), max_tokens=40, max_context=96):
+    page_size = draw(st.sampled_from([8, 16, 32]))
+    seqs, budget = [], max_tokens
+    for s in range(draw(st.integers(1, 3))):
+        seq_len = draw(st.integers(1, max_context))
+        kind = draw(st.sampled_from(["decode", "chunk", "prefill", "empty"]))
+        n = {"decode": 1, "chunk": draw(st.integers(1, seq_len)), "prefill": seq_len, "empty": 0}[kind]
+        n = min(n, budget)
+        budget -= n
+        shared = 0 if s == 0 else draw(st.integers(0, min(seqs[0][0], seq_len) // page_size))
+        seqs.append((seq_len, n, shared))
+    return make_batch(
+        seed=draw(st.integers(0, 2**31 - 1)),
+        page_size=page_size,
+        kv_heads=draw(st.integers(1, 2)),
+        group=draw(st.sampled_from([1, 2, 3, 4])),
+        head_dim=draw(head_dims),
+        dtype=draw(st.sampled_from([torch.float32, torch.bfloat16])),
+        seqs=seqs,
+    )
+
+
+def naive_dense_attention(b: Batch) -> torch.Tensor:
+    """Per token, per head, float64 softmax over contiguous keys 0..position."""
+    num_tokens, num_heads, _ = b.q.shape
+    group = num_heads // b.k_cache.shape[2]
+    out = torch.zeros(b.q.shape, dtype=torch.float64)
+    starts = b.query_start_loc.tolist()
+    for s in range(len(starts) - 1):
+        for i in range(starts[s], starts[s + 1]):
+            p = int(b.positions[i])
+            for h in range(num_heads):
+                k = b.dense_k[s][: p + 1, h // group].double()
+                v = b.dense_v[s][: p + 1, h // group].double()
+                w = torch.softmax(k @ b.q[i, h].double() * b.scale, dim=0)
+                out[i, h] = w @ v
+    return out
+
+
+@settings(max_examples=15, deadline=None)
+@given(batches())
+def test_ref_matches_naive_dense(b):
+    out = paged_attention_ref(*b.args())
+    assert out.dtype == b.q.dtype and out.shape == b.q.shape
+    dtype = b.q.dtype
+    torch.testing.assert_close(out.double(), naive_dense_attention(b), atol=ATOL[dtype], rtol=RTOL[dtype])
+
+
+@settings(max_examples=15, deadline=None)
+@given(batches())
+def test_triton_matches_ref(b):
+    expected = paged_attention_ref(*b.args())
+    out = paged_attention_triton(*b.args())
+    assert out.dtype == b.q.dtype and out.shape == b.q.shape
+    dtype = b.q.dtype
+    torch.testing.assert_close(out.float(), expected.float(), atol=ATOL[dtype], rtol=RTOL[dtype])
+
+
+# Fixed batches so that every run covers each feature, whatever hypothesis draws:
+# a chunked prefill sharing 2 pages with seq 0, a decode sharing 1, an empty sequence.
+MIXED = [(37, 5, 0), (45, 12, 2), (50, 1, 1), (20, 0, 0)]
+
+
+@pytest.mark.parametrize("page_size", [8, 16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mixed_batch_with_shared_blocks(page_size, dtype):
+    b = make_batch(0, page_size, kv_heads=2, group=3, head_dim=32, dtype=dtype, seqs=MIXED)
+    expected = paged_attention_ref(*b.args())
+    torch.testing.assert_close(expected.double(), naive_dense_attention(b), atol=ATOL[dtype], rtol=RTOL[dtype])
+    torch.testing.assert_close(paged_attention_triton(*b.args()).float(), expected.float(),
+                               atol=ATOL[dtype], rtol=RTOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_head_dim_128(dtype):
+    b = make_batch(1, 32, kv_heads=1, group=4, head_dim=128, dtype=dtype, seqs=[(70, 3, 0), (40, 1, 1)])
+    torch.testing.assert_close(paged_attention_triton(*b.args()).float(), paged_attention_ref(*b.args()).float(),
+                               atol=ATOL[dtype], rtol=RTOL[dtype])
+
+
+def test_odd_head_dim_and_fp16_query_on_fp32_cache():
+    """head_dim 40 (BLOCK_D padding) and q.dtype != cache dtype: output follows q.dtype."""
+    gen = torch.Generator().manual_seed(0)
+    k_cache = torch.randn(6, 8, 2, 40, generator=gen)
+    v_cache = torch.randn(6, 8, 2, 40, generator=gen)
+    block_tables = torch.tensor([[4, 1, 5], [2, 0, 3]], dtype=torch.int32)
+    seq_lens = torch.tensor([19, 7], dtype=torch.int32)
+    query_start_loc = torch.tensor([0, 3, 4], dtype=torch.int32)
+    positions = torch.tensor([16, 17, 18, 6])
+    q = torch.randn(4, 6, 40, generator=gen).half()
+    args = (q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, positions, 40**-0.5)
+    out = paged_attention_triton(*args)
+    assert out.dtype == torch.float16
+    torch.testing.assert_close(out, paged_attention_ref(*args), atol=2e-3, rtol=2e-3)
+
+
+def test_scale_is_applied():
+    gen = torch.Generator().manual_seed(1)
+    k_cache = torch.randn(2, 16, 1, 32, generator=gen)
+    v_cache = torch.randn(2, 16, 1, 32, generator=gen)
+    args = (torch.randn(1, 2, 32, generator=gen), k_cache, v_cache, torch.tensor([[1, 0]], dtype=torch.int32),
+            torch.tensor([20], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32), torch.tensor([19]))
+    for scale in (0.05, 1.0):
+        torch.testing.assert_close(paged_attention_triton(*args, scale), paged_attention_ref(*args, scale),
+                                   atol=2e-5, rtol=1e-5)
+    assert not torch.allclose(paged_attention_ref(*args, 0.05), paged_attention_ref(*args, 1.0))
+
+
+@pytest.mark.parametrize("impl", [paged_attention_ref, paged_attention_triton])
+def test_bad_arguments_raise_value_error(impl):
+    q = torch.randn(2, 4, 32)
+    cache = torch.zeros(3, 8, 3, 32)
+    tables = torch.zeros(1, 2, dtype=torch.int32)
+    lens = torch.tensor([2], dtype=torch.int32)
+    qsl = torch.tensor([0, 2], dtype=torch.int32)
+    pos = torch.tensor([0, 1])
+    with pytest.raises(ValueError, match="multiple of kv_heads"):
+        impl(q, cache, cache, tables, lens, qsl, pos, 1.0)
+    cache = torch.zeros(3, 8, 2, 32)
+    with pytest.raises(ValueError, match="query_start_loc"):
+        impl(q, cache, cache, tables, lens, qsl[:1], pos, 1.0)
+    with pytest.raises(ValueError, match="cache dtype"):
+        impl(q, cache.double(), cache.double(), tables, lens, qsl, pos, 1.0)
+    with pytest.raises(ValueError, match="positions"):
+        impl(q, cache, cache, tables, lens, qsl, pos.float(), 1.0)
