@@ -14,6 +14,7 @@ import torch
 import torch.fx as fx
 
 from .backend import CompiledGraph, run_capture_pipeline
+from .lowering import lower
 from .options import BackendOptions
 from .pipeline import decoder_passes
 
@@ -112,7 +113,7 @@ class DecoderProgram:
             values[self._len_name] = n
         for layer, (k, v) in enumerate(kv_cache):
             values[f"k_cache_{layer}"], values[f"v_cache_{layer}"] = k, v
-        out = self.gm(*[values[name] for name in self._order])
+        out = self._executable(*[values[name] for name in self._order])
         logits = out[0] if isinstance(out, (tuple, list)) else out
         logits = logits.reshape(-1, logits.shape[-1])
         return logits if self.selects_logits else logits.index_select(0, meta.logits_indices)
@@ -122,6 +123,7 @@ class DecoderProgram:
         self._ids_name = analysis.input_ids.name
         self._len_name = analysis.seq_len.name if analysis.seq_len is not None else None
         self._order = [n.name for n in self.gm.graph.nodes if n.op == "placeholder"]
+        self._executable = lower(self.gm)
 
 
 def _model_dtype(model: torch.nn.Module) -> torch.dtype:
