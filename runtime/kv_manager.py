@@ -1,0 +1,264 @@
+"""Per-sequence KV-cache block tables on top of a :class:`BlockPool`.
+
+Glossary
+--------
+num_tokens
+    Tokens of a sequence whose K/V is in the cache or will be written by the forward
+    pass the caller is preparing. ``allocate`` raises it, ``truncate`` lowers it.
+    The sequence's block table always has exactly ``ceil(num_tokens / page_size)``
+    blocks; position ``j`` lives in slot
+    ``block_table[j // page_size] * page_size + j % page_size``.
+committed
+    Tokens the caller has confirmed (``commit``) are written; only committed full blocks
+    enter the prefix cache.
+shared block
+    A block with reference count > 1 (prefix-cache hit or ``fork``). Shared blocks are
+    never written: full ones need no writes, and before the first write into a shared
+    partial last block ``allocate`` moves the sequence onto a private copy
+    (copy-on-write) and returns the ``(src, dst)`` copy the caller must perform.
+
+Write rule (the invariant everything else serves): when ``allocate(seq, n)`` returns,
+every block covering positions ``[num_tokens_before, num_tokens_before + n)`` of ``seq``
+has reference count 1 and is not in the prefix cache. A cached block that is about to be
+overwritten in place (count 1, partial after a ``truncate``) is uncached at that moment,
+not at ``truncate`` time, since its content stays valid until then.
+
+Engine step, per sequence::
+
+    cached = kv.add_sequence(sid, prompt)            # once; positions [0, cached) reused
+    copies = kv.allocate(sid, n)                     # None: preempt someone, retry
+    for src, dst in copies: cache[:, dst] = cache[:, src]   # every layer, K and V
+    slots = kv.slot_mapping(sid, start, n)           # start = num_tokens before allocate
+    ... forward writes K/V of the n tokens to `slots` ...
+    kv.commit(sid, tokens_so_far)                    # register newly full blocks
+    kv.truncate(sid, num_accepted_total)             # speculative decoding rejects drafts
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from specgraph.runtime.block_pool import NULL_BLOCK, BlockPool
+from specgraph.runtime.prefix_cache import BlockKey, PrefixCache
+
+__all__ = ["NULL_BLOCK", "KVCacheManager"]
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass
+class _Sequence:
+    blocks: list[int] = field(default_factory=list)  # block table, len == cdiv(num_tokens, page_size)
+    num_tokens: int = 0
+    keys: list[BlockKey] = field(default_factory=list)  # prefix-cache keys of blocks[:len(keys)] (committed, full)
+
+
+class KVCacheManager:
+    """Block tables, copy-on-write and prefix reuse for a set of sequences.
+
+    Parameters
+    ----------
+    num_blocks : int
+        Blocks in the cache tensors, including the reserved null block 0.
+    page_size : int
+        Token slots per block.
+    enable_prefix_caching : bool
+        Reuse full blocks of earlier prompts/outputs with identical token prefixes.
+
+    Example
+    -------
+    >>> kv = KVCacheManager(num_blocks=8, page_size=4)
+    >>> kv.add_sequence(0, [1, 2, 3, 4, 5, 6])
+    0
+    >>> kv.allocate(0, 6)
+    []
+    >>> kv.block_table(0), kv.slot_mapping(0, 3, 2)
+    ([1, 2], [7, 8])
+    >>> kv.commit(0, [1, 2, 3, 4, 5, 6])            # block 1 is full: cached
+    >>> kv.add_sequence(1, [1, 2, 3, 4, 9])         # reuses block 1
+    4
+    """
+
+    def __init__(self, num_blocks: int, page_size: int, enable_prefix_caching: bool = True) -> None:
+        self.block_pool = BlockPool(num_blocks, page_size)
+        self.page_size = page_size
+        # None when prefix caching is off: nothing is keyed, looked up or counted.
+        self.prefix_cache = PrefixCache(self.block_pool) if enable_prefix_caching else None
+        self._seqs: dict[int, _Sequence] = {}
+
+    # ------------------------------------------------------------------ stats
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        """Fraction of non-null blocks referenced by a live sequence."""
+        return self.block_pool.usage
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        """Prompt tokens served from the prefix cache / prompt tokens added (0.0 if off)."""
+        return self.prefix_cache.hit_rate if self.prefix_cache is not None else 0.0
+
+    def can_allocate(self, num_blocks: int) -> bool:
+        return num_blocks <= self.block_pool.num_free_blocks
+
+    # -------------------------------------------------------------- sequences
+    def __contains__(self, seq_id: int) -> bool:
+        return seq_id in self._seqs
+
+    def num_tokens(self, seq_id: int) -> int:
+        return self._get(seq_id).num_tokens
+
+    def block_table(self, seq_id: int) -> list[int]:
+        """A copy of the sequence's block ids (pad with ``NULL_BLOCK`` for kernels)."""
+        return list(self._get(seq_id).blocks)
+
+    def slot_mapping(self, seq_id: int, start: int, n: int) -> list[int]:
+        """Cache slots of positions ``start .. start+n-1`` (all below ``num_tokens``)."""
+        seq = self._get(seq_id)
+        if start < 0 or n < 0 or start + n > seq.num_tokens:
+            raise ValueError(
+                f"positions [{start}, {start + n}) of sequence {seq_id} are not allocated "
+                f"(num_tokens={seq.num_tokens})"
+            )
+        page, blocks = self.page_size, seq.blocks
+        return [blocks[j // page] * page + j % page for j in range(start, start + n)]
+
+    def add_sequence(self, seq_id: int, prompt_token_ids: Sequence[int]) -> int:
+        """Register a sequence and reuse the longest cached prefix of its prompt.
+
+        Returns the number of cached tokens: a multiple of ``page_size`` and at most
+        ``len(prompt) - 1``, so the last prompt token is always computed (its logits are
+        needed). The sequence starts with ``num_tokens`` equal to that number; nothing is
+        allocated, so this never fails for lack of blocks.
+        """
+        if seq_id in self._seqs:
+            raise ValueError(f"sequence {seq_id} already exists")
+        seq = _Sequence()
+        if self.prefix_cache is not None:
+            max_blocks = max(0, len(prompt_token_ids) - 1) // self.page_size
+            blocks, keys = self.prefix_cache.lookup(prompt_token_ids, max_blocks)
+            self.block_pool.incref(blocks)
+            seq = _Sequence(blocks=blocks, num_tokens=len(blocks) * self.page_size, keys=keys)
+        self._seqs[seq_id] = seq
+        return seq.num_tokens
+
+    def num_blocks_needed(self, seq_id: int, num_new_tokens: int) -> int:
+        """Free blocks ``allocate(seq_id, num_new_tokens)`` would take (copy included)."""
+        seq = self._get(seq_id)
+        if num_new_tokens <= 0:
+            return 0
+        new = _cdiv(seq.num_tokens + num_new_tokens, self.page_size) - len(seq.blocks)
+        return new + (self._partial_last_block(seq) is not None and self._needs_copy(seq))
+
+    def allocate(self, seq_id: int, num_new_tokens: int) -> list[tuple[int, int]] | None:
+        """Make room for ``num_new_tokens`` more tokens and advance ``num_tokens``.
+
+        Returns the ``(src_block, dst_block)`` copies the caller must apply to every
+        layer's K and V cache, in order, before the next forward pass: at most one, when
+        the partial last block is shared and the sequence moves to a private copy.
+        Returns ``None`` if the pool cannot supply the blocks; then nothing changed.
+        """
+        seq = self._get(seq_id)
+        if num_new_tokens < 0:
+            raise ValueError(f"num_new_tokens must be >= 0; got {num_new_tokens}")
+        if num_new_tokens == 0:
+            return []
+        total = seq.num_tokens + num_new_tokens
+        num_new_blocks = _cdiv(total, self.page_size) - len(seq.blocks)
+        last = self._partial_last_block(seq)  # will receive some of the new tokens
+        copy = last is not None and self._needs_copy(seq)
+        new_blocks = self.block_pool.allocate(num_new_blocks + copy)
+        if new_blocks is None:
+            return None
+        # Past this point nothing can fail.
+        copies = []
+        if copy:
+            dst = new_blocks.pop()
+            # The source keeps a reference from its other holders, so it cannot be
+            # evicted (and overwritten) before the caller performs the copy.
+            self.block_pool.free([last])
+            seq.blocks[-1] = dst
+            copies.append((last, dst))
+        elif last is not None:
+            # Private block that may still carry a key from before a truncate; its tail
+            # is about to be overwritten, so it must leave the prefix cache now.
+            self.block_pool.uncache_block(last)
+        seq.blocks.extend(new_blocks)
+        seq.num_tokens = total
+        return copies
+
+    def commit(self, seq_id: int, token_ids: Sequence[int]) -> None:
+        """The K/V of ``token_ids`` (the sequence's tokens from position 0) is written.
+
+        Newly full blocks enter the prefix cache. ``len(token_ids)`` may not exceed
+        ``num_tokens``. Tokens of already registered blocks are not re-read.
+        """
+        seq = self._get(seq_id)
+        if len(token_ids) > seq.num_tokens:
+            raise ValueError(
+                f"commit of {len(token_ids)} tokens for sequence {seq_id}, "
+                f"but only {seq.num_tokens} are allocated"
+            )
+        if self.prefix_cache is None:
+            return
+        page, done = self.page_size, len(seq.keys)
+        num_full = len(token_ids) // page
+        if num_full <= done:
+            return
+        parent = seq.keys[-1] if seq.keys else None
+        seq.keys += self.prefix_cache.register(
+            seq.blocks[done:num_full], token_ids[done * page : num_full * page], parent
+        )
+
+    def truncate(self, seq_id: int, num_tokens: int) -> None:
+        """Roll the sequence back to its first ``num_tokens`` tokens.
+
+        Blocks past the new end are freed. A kept partial last block that is cached
+        stays cached (its content is still valid) until it is next written: then
+        ``allocate`` uncaches it if private or copies it if shared.
+        """
+        seq = self._get(seq_id)
+        if not 0 <= num_tokens <= seq.num_tokens:
+            raise ValueError(f"cannot truncate sequence {seq_id} to {num_tokens} tokens (has {seq.num_tokens})")
+        keep = _cdiv(num_tokens, self.page_size)
+        self.block_pool.free(reversed(seq.blocks[keep:]))
+        del seq.blocks[keep:]
+        del seq.keys[num_tokens // self.page_size :]
+        seq.num_tokens = num_tokens
+
+    def fork(self, src_seq: int, dst_seq: int) -> None:
+        """``dst_seq`` becomes a copy of ``src_seq`` sharing all of its blocks.
+
+        Call it after the K/V of ``src_seq``'s ``num_tokens`` tokens is written: the
+        shared blocks are read by both, and written by neither until copied.
+        """
+        src = self._get(src_seq)
+        if dst_seq in self._seqs:
+            raise ValueError(f"sequence {dst_seq} already exists")
+        self.block_pool.incref(src.blocks)
+        self._seqs[dst_seq] = _Sequence(list(src.blocks), src.num_tokens, list(src.keys))
+
+    def free(self, seq_id: int) -> None:
+        """Drop the sequence; its blocks are released tail first (evicted first)."""
+        seq = self._get(seq_id)
+        self.block_pool.free(reversed(seq.blocks))
+        del self._seqs[seq_id]
+
+    # -------------------------------------------------------------- helpers
+    def _get(self, seq_id: int) -> _Sequence:
+        try:
+            return self._seqs[seq_id]
+        except KeyError:
+            raise ValueError(f"unknown sequence {seq_id}") from None
+
+    def _partial_last_block(self, seq: _Sequence) -> int | None:
+        return seq.blocks[-1] if seq.num_tokens % self.page_size else None
+
+    def _needs_copy(self, seq: _Sequence) -> bool:
+        return self.block_pool.ref_count(seq.blocks[-1]) > 1
