@@ -15,7 +15,9 @@ import torch
 from ..compiler.options import BackendOptions
 from ..compiler.program import AttentionMetadata, DecoderProgram, compile_decoder
 from .kv_manager import KVCacheManager
-from .sampling import SamplingParams, sample
+from .proposers.base import Draft, DraftRequest
+from .rejection import verify_greedy, verify_sampling
+from .sampling import SamplingParams, probabilities, sample
 from .scheduler import Request, ScheduledChunk, Scheduler
 
 
@@ -53,12 +55,16 @@ class Engine:
     kv_cache_memory: bytes of KV cache (all layers, K and V) when ``num_blocks`` is not given.
     num_blocks: size of the block pool (block 0 is reserved).
     max_num_seqs, max_tokens_per_step: continuous-batching limits (prefills are chunked to fit).
+    draft: speculative decoding proposer: ``"ngram"``/``"ngram:N"`` (prompt lookup),
+        ``"layer_skip:K"`` (the target's first K layers, sharing their cache) or a draft
+        ``nn.Module`` with the same vocabulary; None disables speculation.
+    num_draft_tokens: k, the drafts verified per target forward.
     """
 
     def __init__(self, model: torch.nn.Module, tokenizer=None, *, kv_dtype: str = "auto", page_size: int = 16,
                  prefix_caching: bool = True, kv_cache_memory: int = 256 << 20, num_blocks: int | None = None,
                  max_num_seqs: int = 8, max_tokens_per_step: int = 512, passes: Sequence = (),
-                 dump_dir: str | None = None):
+                 dump_dir: str | None = None, draft=None, num_draft_tokens: int = 4):
         self.model, self.tokenizer = model, tokenizer
         options = BackendOptions(kv_dtype=kv_dtype, page_size=page_size, passes=tuple(passes), dump_dir=dump_dir)
         t0 = time.perf_counter()
@@ -68,7 +74,7 @@ class Engine:
         self.num_blocks = num_blocks if num_blocks is not None else max(2, kv_cache_memory // per_block)
         if self.num_blocks < 2:
             raise ValueError(f"num_blocks must be >= 2 (block 0 is reserved); got {self.num_blocks}")
-        device = next(model.parameters()).device
+        device = self.device = next(model.parameters()).device
         self.kv_cache = self.program.new_kv_cache(self.num_blocks, device=device)
         self.kv = KVCacheManager(self.num_blocks, page_size, enable_prefix_caching=prefix_caching)
         self.scheduler = Scheduler(self.kv, max_num_seqs=max_num_seqs, max_tokens_per_step=max_tokens_per_step)
@@ -78,6 +84,14 @@ class Engine:
         self._ignore_eos = False
         self._on_token = None
         self._stats: dict[str, Any] = {}
+        if num_draft_tokens < 1:
+            raise ValueError(f"num_draft_tokens must be >= 1; got {num_draft_tokens}")
+        self.num_draft_tokens = num_draft_tokens
+        self.proposer = None
+        if draft is not None:
+            from .proposers import make_proposer
+
+            self.proposer = make_proposer(draft, self)
         self.reset_stats()
 
     # ------------------------------------------------------------------ public
@@ -156,11 +170,18 @@ class Engine:
         s["kv_bytes_per_token"] = self.program.kv_bytes_per_token()
         s["kv_pool_tokens"] = (self.num_blocks - 1) * self.page_size
         s["preemptions"] = self.scheduler.preemptions
+        if self.proposer is not None:
+            s["proposer"] = self.proposer.name
+            s["num_draft_tokens"] = self.num_draft_tokens
+            s["acceptance_rate"] = s["accepted_tokens"] / s["draft_tokens"] if s["draft_tokens"] else 0.0
+            # tokens each sequence gains per target forward in which it was verified
+            s["mean_accepted_tokens"] = s["verify_emitted"] / s["verify_steps"] if s["verify_steps"] else 0.0
         return s
 
     def reset_stats(self) -> None:
         self._stats = dict(tokens_per_second=0.0, generated_tokens=0, prompt_tokens=0, cached_prompt_tokens=0,
-                           target_forwards=0, kv_pool_peak_usage=0.0, time_to_first_token_s=0.0, elapsed_s=0.0)
+                           target_forwards=0, kv_pool_peak_usage=0.0, time_to_first_token_s=0.0, elapsed_s=0.0,
+                           draft_tokens=0, accepted_tokens=0, verify_steps=0, verify_emitted=0)
 
     # ---------------------------------------------------------------- internals
     def _new_id(self) -> int:
@@ -192,39 +213,100 @@ class Engine:
                 k[dst].copy_(k[src])
                 v[dst].copy_(v[src])
 
+    def _draft(self, chunks: list[ScheduledChunk]) -> dict[int, Draft]:
+        """Draft tokens for the decoding sequences; their extra slots are allocated here."""
+        wanted = []
+        for c in chunks:
+            r = c.request
+            if c.num_tokens != 1 or not c.wants_logits:
+                continue  # prefill chunk
+            k = min(self.num_draft_tokens, r.max_new_tokens - len(r.output_ids) - 1)
+            if k <= 0:
+                continue
+            copies = self.kv.allocate(r.request_id, k)
+            if copies is None:
+                continue  # pool short: plain decode this step
+            self._copy_blocks(copies)
+            wanted.append(DraftRequest(r.request_id, r.all_ids, len(r.prompt_ids), k, r.params, r.generator))
+        drafts = dict(zip((w.request_id for w in wanted), self.proposer.propose(wanted))) if wanted else {}
+        for w in wanted:
+            d = drafts[w.request_id]
+            d.token_ids = d.token_ids[:w.k]
+            if d.probs is not None:
+                d.probs = d.probs[:w.k]
+            if len(d.token_ids) < w.k:  # give back the slots of drafts not proposed
+                self.kv.truncate(w.request_id, self.kv.num_tokens(w.request_id) - (w.k - len(d.token_ids)))
+        return drafts
+
     @torch.no_grad()
     def _step(self, t0: float) -> None:
         chunks, copies = self.scheduler.schedule()
         if not chunks:
             raise RuntimeError("scheduler produced an empty step with work pending")
         self._copy_blocks(copies)
+        drafts = self._draft(chunks) if self.proposer is not None else {}
         ids: list[int] = []
+        seqs, want = [], []
         for c in chunks:
-            ids += c.request.all_ids[c.start:c.start + c.num_tokens]
-        meta = AttentionMetadata.build(
-            [(self.kv.block_table(c.request.request_id), c.start, c.num_tokens) for c in chunks], self.page_size,
-            [[c.num_tokens - 1] if c.wants_logits else [] for c in chunks])
+            extra = drafts[c.request.request_id].token_ids if c.request.request_id in drafts else []
+            ids += c.request.all_ids[c.start:c.start + c.num_tokens] + extra
+            n = c.num_tokens + len(extra)
+            seqs.append((self.kv.block_table(c.request.request_id), c.start, n))
+            want.append(list(range(n)) if extra else [n - 1] if c.wants_logits else [])
+        meta = AttentionMetadata.build(seqs, self.page_size, want)
         logits = self.program(torch.tensor(ids, dtype=torch.long), meta, self.kv_cache)
         self._stats["target_forwards"] += 1
         self._stats["kv_pool_peak_usage"] = max(self._stats["kv_pool_peak_usage"], self.kv.usage)
         row = 0
-        for c in chunks:
+        for c, rows in zip(chunks, want):
             r = c.request
+            rid = r.request_id
             r.num_computed = c.start + c.num_tokens
-            self.kv.commit(r.request_id, r.all_ids[:r.num_computed])
-            if not c.wants_logits:
-                continue
-            token = sample(logits[row], r.params, r.generator)
-            row += 1
-            r.output_ids.append(token)
-            if self._on_token is not None:
-                self._on_token(r.request_id, token)
-            if r.first_token_time is None:
-                r.first_token_time = time.perf_counter() - t0
-            reason = self._finish_reason(r)
-            if reason is not None:
-                r.finish_reason = reason
-                self.scheduler.finish(r)
+            if rows and rid in drafts:
+                new_tokens = self._verify(r, drafts[rid], logits[row:row + len(rows)])
+                # cached now: the last token + the accepted drafts (the final token is not yet fed)
+                r.num_computed = c.start + len(new_tokens)
+                self.kv.truncate(rid, r.num_computed)
+            elif rows:
+                new_tokens = [sample(logits[row], r.params, r.generator)]
+            else:
+                new_tokens = []
+            row += len(rows)
+            for token in new_tokens:
+                self._emit(r, token, t0)
+                if r.finish_reason is not None:
+                    break
+            if r.finish_reason is None:
+                self.kv.commit(rid, r.all_ids[:r.num_computed])
+            if self.proposer is not None:
+                if r.finish_reason is not None:
+                    self.proposer.release(rid)
+                else:
+                    self.proposer.on_verified(rid, r.num_computed)
+
+    def _verify(self, r: Request, draft: Draft, logits: torch.Tensor) -> list[int]:
+        """Accepted drafts + one target token (lossless: greedy match or rejection sampling)."""
+        if r.params.greedy:
+            tokens = verify_greedy(draft.token_ids, logits)
+        else:
+            tokens = verify_sampling(draft.token_ids, draft.probs, probabilities(logits, r.params), r.generator)
+        s = self._stats
+        s["draft_tokens"] += len(draft.token_ids)
+        s["accepted_tokens"] += len(tokens) - 1
+        s["verify_steps"] += 1
+        s["verify_emitted"] += len(tokens)
+        return tokens
+
+    def _emit(self, r: Request, token: int, t0: float) -> None:
+        r.output_ids.append(token)
+        if self._on_token is not None:
+            self._on_token(r.request_id, token)
+        if r.first_token_time is None:
+            r.first_token_time = time.perf_counter() - t0
+        reason = self._finish_reason(r)
+        if reason is not None:
+            r.finish_reason = reason
+            self.scheduler.finish(r)
 
     def _finish_reason(self, r: Request) -> str | None:
         if r.output_ids[-1] in self.eos_ids and not self._ignore_eos:

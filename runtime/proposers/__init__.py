@@ -1,0 +1,47 @@
+"""Draft proposers for speculative decoding, and the factory that builds one from a spec."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from .base import Draft, DraftRequest, Proposer
+
+if TYPE_CHECKING:
+    from ..engine import Engine
+
+SPECS = ("ngram", "ngram:N", "layer_skip:K", "an nn.Module draft model with the target's vocabulary")
+
+
+def make_proposer(draft, engine: "Engine") -> Proposer:
+    """``"ngram"``, ``"ngram:N"``, ``"layer_skip:K"`` or a draft ``nn.Module`` -> a proposer."""
+    from ...compiler.options import BackendOptions
+    from ...compiler.program import compile_decoder
+    from .model import ModelProposer, first_layers
+    from .ngram import NgramProposer
+
+    options = BackendOptions(page_size=engine.page_size)
+    if isinstance(draft, torch.nn.Module):
+        program = compile_decoder(draft, options)
+        if program.vocab_size != engine.program.vocab_size:
+            raise ValueError(f"draft model vocabulary {program.vocab_size} != target vocabulary "
+                             f"{engine.program.vocab_size}; speculative decoding needs the same tokenizer")
+        cache = program.new_kv_cache(engine.num_blocks, device=engine.device)
+        return ModelProposer("draft_model", program, cache, engine.kv, engine.page_size, shares_target_cache=False)
+    if not isinstance(draft, str):
+        raise ValueError(f"draft={draft!r} is not supported; valid: {', '.join(SPECS)}")
+    kind, _, arg = draft.partition(":")
+    if kind == "ngram":
+        return NgramProposer.from_spec(draft)
+    if kind == "layer_skip":
+        if not arg.isdigit():
+            raise ValueError(f"draft={draft!r}: layer_skip needs a layer count, e.g. 'layer_skip:8'")
+        keep = int(arg)
+        model = first_layers(engine.model, engine.program.num_layers, keep)
+        program = compile_decoder(model, options)
+        return ModelProposer(draft, program, engine.kv_cache[:keep], engine.kv, engine.page_size,
+                             shares_target_cache=True)
+    raise ValueError(f"draft={draft!r} is not supported; valid: {', '.join(SPECS)}")
+
+
+__all__ = ["Draft", "DraftRequest", "Proposer", "make_proposer", "SPECS"]

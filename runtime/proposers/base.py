@@ -1,0 +1,85 @@
+"""The one interface every draft proposer implements.
+
+A proposer guesses the next few tokens of each running sequence; the target model then
+scores all of them in one forward pass and :mod:`specgraph.runtime.rejection` keeps the
+longest prefix the target agrees with. The engine only ever talks to proposers through
+:class:`Proposer`, with the two dataclasses below as the boundary, so a new proposer
+(n-gram lookup, a small draft model, EAGLE heads, ...) never needs engine changes.
+
+Glossary
+--------
+committed tokens
+    Prompt plus every generated token the target has verified. A proposer sees only
+    these (``DraftRequest.token_ids``), never its own unverified guesses.
+draft tokens
+    The ``0..k`` tokens a proposer guesses for one sequence (``Draft.token_ids``).
+    Fewer than ``k``, or none, is always allowed: the engine then verifies fewer
+    positions (with an empty draft it is a plain decode step).
+draft distribution ``q``
+    For a sampling drafter, the distribution each draft token was sampled from
+    (``Draft.probs``, one row per draft token). ``None`` means the proposal is
+    deterministic (``q`` is one-hot on the drafted token), as for n-gram lookup.
+verified / committed count
+    After verification the engine reports how many tokens it appended to the
+    sequence (accepted draft tokens + 1 bonus/recovered token) through
+    :meth:`Proposer.on_verified`, so stateful proposers can roll their caches forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from ..sampling import SamplingParams
+
+
+@dataclass
+class DraftRequest:
+    """What a proposer sees of one sequence."""
+
+    request_id: int
+    token_ids: list[int]  # prompt + generated so far (committed tokens only)
+    num_prompt_tokens: int
+    k: int  # how many draft tokens are wanted (upper bound)
+    # How the request samples; a sampling drafter draws x_i ~ q_i with these (and reports q in
+    # Draft.probs). None / greedy: draft with argmax. Deterministic proposers ignore both.
+    params: SamplingParams | None = None
+    generator: torch.Generator | None = None
+
+
+@dataclass
+class Draft:
+    """A proposer's guess for one sequence."""
+
+    token_ids: list[int]  # 0..k drafted tokens
+    # [len(token_ids), V] float32: q per drafted token; None = deterministic (one-hot) proposal
+    probs: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.probs is not None:
+            assert self.probs.ndim == 2 and self.probs.shape[0] == len(self.token_ids), (
+                f"Draft.probs must be [{len(self.token_ids)}, V]; got {tuple(self.probs.shape)}"
+            )
+
+
+@runtime_checkable
+class Proposer(Protocol):
+    """Guesses draft tokens for a batch of sequences.
+
+    ``propose`` returns exactly one :class:`Draft` per request, in order. The two hooks
+    are bookkeeping only: stateless proposers implement them as no-ops.
+    """
+
+    name: str
+
+    def propose(self, requests: list[DraftRequest]) -> list[Draft]: ...
+
+    def on_verified(self, request_id: int, num_committed: int) -> None:
+        """``num_committed`` tokens were appended to the sequence after verification."""
+        ...
+
+    def release(self, request_id: int) -> None:
+        """The sequence finished or was aborted: drop any per-request state."""
+        ...

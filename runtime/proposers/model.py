@@ -1,0 +1,110 @@
+"""Model proposers: a draft model, or the target's own first K layers (``layer_skip:K``).
+
+Both run a specgraph :class:`~specgraph.compiler.program.DecoderProgram` of the drafter over the
+same block tables as the target (one :class:`KVCacheManager`, one set of block ids; the
+drafter's cache tensors are indexed by the same slots), drafting k tokens by k single-token
+steps batched over all sequences.
+
+Cache rule for ``layer_skip:K``: the drafter *is* layers 0..K-1 of the target, so its K/V for a
+token equals the target's K/V of those layers for that token. The drafter therefore reads and
+writes the target's own cache tensors of layers 0..K-1: after the target verifies a step, every
+committed token's K/V in those layers is valid for the drafter, and K/V the drafter wrote for
+drafts is overwritten by the target's verify with identical values (rejected drafts' slots are
+rolled back and rewritten later). A separate draft model keeps its own cache tensors and is
+valid for exactly the tokens it was fed. Either way verification makes the output lossless: a
+stale drafter cache could only lower acceptance.
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from ...compiler.program import AttentionMetadata, DecoderProgram
+from ..kv_manager import KVCacheManager
+from ..sampling import probabilities
+from .base import Draft, DraftRequest
+
+
+class ModelProposer:
+    """Drafts with a compiled decoder sharing the target's block tables."""
+
+    def __init__(self, name: str, program: DecoderProgram, kv_cache, kv: KVCacheManager, page_size: int,
+                 shares_target_cache: bool):
+        self.name, self.program, self.kv_cache, self.kv = name, program, kv_cache, kv
+        self.page_size, self.shares_target_cache = page_size, shares_target_cache
+        self._fed: dict[int, int] = {}  # tokens of each sequence whose drafter K/V is in the cache
+
+    def propose(self, requests: list[DraftRequest]) -> list[Draft]:
+        drafts = {r.request_id: [] for r in requests}
+        qs: dict[int, list[torch.Tensor]] = {r.request_id: [] for r in requests}
+        active = [r for r in requests if r.k > 0]
+        # step 0 feeds everything the drafter has not seen (the prompt on a request's first step)
+        feed = {r.request_id: r.token_ids[min(self._fed.get(r.request_id, 0), len(r.token_ids) - 1):] for r in active}
+        start = {r.request_id: len(r.token_ids) - len(feed[r.request_id]) for r in active}
+        for step in range(max((r.k for r in active), default=0)):
+            live = [r for r in active if len(drafts[r.request_id]) < r.k and step < r.k]
+            if not live:
+                break
+            ids, seqs, want = [], [], []
+            for r in live:
+                toks = feed[r.request_id]
+                ids += toks
+                seqs.append((self.kv.block_table(r.request_id), start[r.request_id], len(toks)))
+                want.append([len(toks) - 1])
+            meta = AttentionMetadata.build(seqs, self.page_size, want)
+            with torch.no_grad():
+                logits = self.program(torch.tensor(ids, dtype=torch.long), meta, self.kv_cache)
+            for row, r in enumerate(live):
+                rid = r.request_id
+                self._fed[rid] = start[rid] + len(feed[rid])
+                if r.params is None or r.params.greedy:
+                    token = int(torch.argmax(logits[row]))
+                else:
+                    q = probabilities(logits[row], r.params)
+                    token = int(torch.multinomial(q, 1, generator=r.generator))
+                    qs[rid].append(q)
+                drafts[rid].append(token)
+                start[rid] += len(feed[rid])
+                feed[rid] = [token]
+        out = []
+        for r in requests:
+            probs = torch.stack(qs[r.request_id]) if qs[r.request_id] else None
+            out.append(Draft(token_ids=drafts[r.request_id], probs=probs))
+        return out
+
+    def on_verified(self, request_id: int, num_committed: int) -> None:
+        if self.shares_target_cache:
+            self._fed[request_id] = num_committed  # the target's verify wrote layers < K for all of them
+        else:
+            self._fed[request_id] = min(self._fed.get(request_id, 0), num_committed)
+
+    def release(self, request_id: int) -> None:
+        self._fed.pop(request_id, None)
+
+
+def decoder_layer_list(model: torch.nn.Module, num_layers: int) -> tuple[str, torch.nn.ModuleList]:
+    """The ``nn.ModuleList`` holding the model's ``num_layers`` decoder layers (name, list)."""
+    found = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.ModuleList) and len(m) == num_layers]
+    if len(found) != 1:
+        raise ValueError(f"layer_skip needs exactly one nn.ModuleList of the {num_layers} decoder layers; "
+                         f"found {[n for n, _ in found] or 'none'}")
+    return found[0]
+
+
+def first_layers(model: torch.nn.Module, num_layers: int, keep: int) -> torch.nn.Module:
+    """A shallow copy of ``model`` running only its first ``keep`` decoder layers (weights shared)."""
+    if not 1 <= keep < num_layers:
+        raise ValueError(f"layer_skip:K needs 1 <= K < {num_layers} (the target's layers); got {keep}")
+    path, layers = decoder_layer_list(model, num_layers)
+    root = copy.copy(model)
+    root._modules = dict(model._modules)
+    parent = root
+    parts = path.split(".")
+    for part in parts[:-1]:
+        child = copy.copy(parent._modules[part])
+        child._modules = dict(child._modules)
+        parent._modules[part] = child
+        parent = child
+    parent._modules[parts[-1]] = torch.nn.ModuleList(list(layers)[:keep])
+    return root

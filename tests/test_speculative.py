@@ -1,0 +1,140 @@
+"""Speculative decoding: greedy output unchanged for every proposer; sampling keeps the target's
+distribution (chi-square against exact marginals), and a wrong acceptance rule is caught."""
+import functools
+
+import pytest
+import torch
+
+import specgraph
+import specgraph.runtime.engine as engine_module
+from specgraph.runtime import rejection
+from models import VOCAB, make_family, tiny_llama
+
+
+def _prompts(family, lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB[family], (n,), generator=g).tolist() for n in lengths]
+
+
+def _repetitive(family, n=4):
+    """Prompts with repeats so prompt lookup finds matches."""
+    base = _prompts(family, (6,), seed=11)[0]
+    return [(base * 5)[: 20 + i] for i in range(n)]
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "nanogpt", "sdpa_gqa"])
+@pytest.mark.parametrize("draft", ["ngram", "layer_skip:1", "model"])
+def test_greedy_speculation_is_lossless(family, draft):
+    target = make_family(family)
+    drafter = make_family(family, seed=1) if draft == "model" else draft
+    plain = specgraph.Engine(target, num_blocks=64, page_size=8)
+    spec = specgraph.Engine(target, num_blocks=64, page_size=8, draft=drafter, num_draft_tokens=3)
+    for prompts in (_repetitive(family, 1), _repetitive(family, 4)):  # batch 1 and batch 4
+        want = [r.token_ids for r in plain.generate(prompts, max_new_tokens=14, ignore_eos=True)]
+        got = [r.token_ids for r in spec.generate(prompts, max_new_tokens=14, ignore_eos=True)]
+        assert got == want
+    stats = spec.stats
+    assert stats["draft_tokens"] > 0 and 0.0 <= stats["acceptance_rate"] <= 1.0
+    assert stats["mean_accepted_tokens"] >= 1.0
+    if draft == "layer_skip:1":
+        assert stats["acceptance_rate"] > 0  # the first layer of the target agrees sometimes
+
+
+def test_draft_vocabulary_mismatch_is_a_clear_error():
+    target = tiny_llama(vocab=128)
+    with pytest.raises(ValueError, match="vocabulary"):
+        specgraph.Engine(target, num_blocks=16, page_size=8, draft=tiny_llama(vocab=100))
+
+
+def test_unknown_draft_spec_lists_valid_ones():
+    with pytest.raises(ValueError, match="layer_skip:K"):
+        specgraph.Engine(tiny_llama(), num_blocks=16, page_size=8, draft="medusa-ish")
+
+
+# --------------------------------------------------------------------------- distribution test
+V = 8
+
+
+def _peaky(seed):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=16, tie_word_embeddings=False,
+                      use_cache=False)
+    m = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        m.lm_head.weight.mul_(25.0)  # distributions far from uniform, so a biased sampler shows
+    return m
+
+
+def _exact_marginals(model, prompt, positions):
+    """Exact distribution of generated tokens 1..positions by enumeration (V ** (positions-1) prefixes)."""
+    with torch.no_grad():
+        probs = {(): 1.0}
+        marginals = []
+        for _ in range(positions):
+            prefixes = list(probs)
+            ids = torch.tensor([prompt + list(p) for p in prefixes])
+            nxt = torch.softmax(model(ids).logits[:, -1].float(), -1)
+            marginal = torch.zeros(V)
+            new = {}
+            for i, p in enumerate(prefixes):
+                marginal += probs[p] * nxt[i]
+                for t in range(V):
+                    new[p + (t,)] = probs[p] * float(nxt[i, t])
+            marginals.append(marginal)
+            probs = new
+    return marginals
+
+
+def _chi2_stat(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
+    n = counts.sum()
+    keep = probs * n >= 5  # pool rare cells so the chi-square approximation holds
+    obs = torch.cat([counts[keep], counts[~keep].sum().view(1)]) if (~keep).any() else counts[keep]
+    exp = torch.cat([probs[keep] * n, (probs[~keep].sum() * n).view(1)]) if (~keep).any() else probs[keep] * n
+    stat = float(((obs - exp) ** 2 / exp.clamp_min(1e-9)).sum())
+    return stat, len(obs) - 1
+
+
+# chi-square critical values at p = 1e-4 for dof 1..7: a correct sampler fails 1 run in 10^4
+CRITICAL = {1: 15.14, 2: 18.42, 3: 21.11, 4: 23.51, 5: 25.74, 6: 27.86, 7: 29.88}
+
+
+def _sample_tokens(target, drafter, prompt, n, seed):
+    engine = specgraph.Engine(target, num_blocks=n + 8, page_size=8, max_num_seqs=n,
+                              max_tokens_per_step=n * (len(prompt) + 4), draft=drafter, num_draft_tokens=2,
+                              prefix_caching=False)
+    results = engine.generate([prompt] * n, max_new_tokens=3, temperature=1.0, seed=seed, ignore_eos=True)
+    assert engine.stats["draft_tokens"] > 0
+    return torch.tensor([r.token_ids for r in results])
+
+
+def _passes(tokens, marginals):
+    for pos in (1, 2):  # tokens produced by speculative verification steps
+        counts = torch.bincount(tokens[:, pos], minlength=V).float()
+        stat, dof = _chi2_stat(counts, marginals[pos])
+        if stat > CRITICAL[dof]:
+            return False
+    return True
+
+
+@pytest.fixture(scope="module")
+def peaky_pair():
+    target, drafter = _peaky(0), _peaky(1)
+    prompt = [1, 5, 2, 7]
+    return target, drafter, prompt, _exact_marginals(target, prompt, 3)
+
+
+def test_speculative_sampling_keeps_target_distribution(peaky_pair):
+    target, drafter, prompt, marginals = peaky_pair
+    tokens = _sample_tokens(target, drafter, prompt, 3000, seed=1)
+    assert _passes(tokens, marginals)
+
+
+def test_wrong_acceptance_rule_is_detected(peaky_pair, monkeypatch):
+    target, drafter, prompt, marginals = peaky_pair
+    always_accept = functools.partial(rejection.verify_sampling, accept_rule=lambda p, q: 1.0)
+    monkeypatch.setattr(engine_module, "verify_sampling", always_accept)
+    tokens = _sample_tokens(target, drafter, prompt, 3000, seed=1)
+    assert not _passes(tokens, marginals)
