@@ -14,6 +14,7 @@ from typing import Callable
 import torch
 import torch.fx as fx
 
+from ..kernels import quant_cache_write, quant_paged_attention
 from ..kernels.cache_write import cache_write_ref, cache_write_triton
 from ..kernels.config import triton_kernels_forced
 from ..kernels.paged_attention import paged_attention_ref, paged_attention_triton
@@ -35,6 +36,13 @@ def register_lowering(op, reference: Callable, triton_impl: Callable | None) -> 
 
 register_lowering(torch.ops.specgraph.cache_write.default, cache_write_ref, cache_write_triton)
 register_lowering(torch.ops.specgraph.paged_attention.default, paged_attention_ref, paged_attention_triton)
+for _scheme in ("fp8", "int4"):
+    register_lowering(getattr(torch.ops.specgraph, f"cache_write_{_scheme}").default,
+                      getattr(quant_cache_write, f"cache_write_{_scheme}_ref"),
+                      getattr(quant_cache_write, f"cache_write_{_scheme}_triton"))
+    register_lowering(getattr(torch.ops.specgraph, f"paged_attention_{_scheme}").default,
+                      getattr(quant_paged_attention, f"paged_attention_{_scheme}_ref"),
+                      getattr(quant_paged_attention, f"paged_attention_{_scheme}_triton"))
 
 
 def lower(gm: fx.GraphModule) -> fx.GraphModule:

@@ -61,11 +61,27 @@ class AttentionMetadata:
             query_start_loc=torch.tensor(qsl, dtype=torch.int32), logits_indices=torch.tensor(rows, dtype=torch.int64))
 
 
+_CACHE_INPUTS = ("k_cache", "v_cache", "k_scale", "v_scale")  # per-layer graph inputs, in allocation order
+
+
 @dataclass
 class LayerCacheSpec:
     kv_heads: int
     head_dim: int
-    dtype: torch.dtype
+    dtype: torch.dtype  # of the float cache (the model's K/V dtype when quantized)
+    scheme: Any = None  # kernels.quant.QuantScheme for fp8/int4 caches
+
+    def bytes_per_token(self) -> int:
+        if self.scheme is not None:
+            return self.scheme.bytes_per_token(self.kv_heads, self.head_dim)
+        return 2 * self.kv_heads * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
+
+    def allocate(self, num_blocks: int, page_size: int, device) -> tuple[torch.Tensor, ...]:
+        """``(k_cache, v_cache)``, or ``(k_cache, v_cache, k_scale, v_scale)`` when quantized."""
+        if self.scheme is not None:
+            return self.scheme.allocate(num_blocks, page_size, self.kv_heads, self.head_dim, device=device).tensors()
+        shape = (num_blocks, page_size, self.kv_heads, self.head_dim)
+        return (torch.zeros(shape, dtype=self.dtype, device=device), torch.zeros(shape, dtype=self.dtype, device=device))
 
 
 @dataclass
@@ -88,16 +104,16 @@ class DecoderProgram:
         return len(self.layers)
 
     def kv_bytes_per_token(self) -> int:
-        return sum(2 * s.kv_heads * s.head_dim * torch.empty((), dtype=s.dtype).element_size() for s in self.layers)
+        """Cache bytes one token takes over all layers, K and V, scales included."""
+        return sum(s.bytes_per_token() for s in self.layers)
 
-    def new_kv_cache(self, num_blocks: int, device: torch.device | str = "cpu") -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Zeroed per-layer ``(k_cache, v_cache)``, each ``[num_blocks, page_size, kv_heads, head_dim]``."""
-        return [(torch.zeros(num_blocks, self.page_size, s.kv_heads, s.head_dim, dtype=s.dtype, device=device),
-                 torch.zeros(num_blocks, self.page_size, s.kv_heads, s.head_dim, dtype=s.dtype, device=device))
-                for s in self.layers]
+    def new_kv_cache(self, num_blocks: int, device: torch.device | str = "cpu") -> list[tuple[torch.Tensor, ...]]:
+        """Per-layer cache tensors: ``(k_cache, v_cache)`` of ``[num_blocks, page_size, kv_heads, head_dim]``,
+        plus ``(k_scale, v_scale)`` for a quantized cache."""
+        return [s.allocate(num_blocks, self.page_size, device) for s in self.layers]
 
     def __call__(self, input_ids: torch.Tensor, meta: AttentionMetadata,
-                 kv_cache: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+                 kv_cache: list[tuple[torch.Tensor, ...]]) -> torch.Tensor:
         """Run the stream. ``input_ids [N]`` -> logits ``[M, vocab]`` for ``meta.logits_indices``."""
         n = input_ids.numel()
         if meta.positions.numel() != n or meta.slot_mapping.numel() != n:
@@ -111,8 +127,9 @@ class DecoderProgram:
         values[self._ids_name] = input_ids.view(1, n)
         if self._len_name is not None:
             values[self._len_name] = n
-        for layer, (k, v) in enumerate(kv_cache):
-            values[f"k_cache_{layer}"], values[f"v_cache_{layer}"] = k, v
+        for layer, tensors in enumerate(kv_cache):
+            for prefix, t in zip(_CACHE_INPUTS, tensors):
+                values[f"{prefix}_{layer}"] = t
         out = self._executable(*[values[name] for name in self._order])
         logits = out[0] if isinstance(out, (tuple, list)) else out
         logits = logits.reshape(-1, logits.shape[-1])
@@ -158,13 +175,15 @@ def compile_decoder(model: torch.nn.Module, options: BackendOptions | None = Non
     compiled = result["compiled"]
     ctx = compiled.context
     analysis = ctx.analysis
-    layers = [LayerCacheSpec(s.kv_heads, s.head_dim, ctx.facts["kv_caches"][i][0].meta["val"].dtype)
+    scheme = ctx.facts.get("kv_scheme")
+    layers = [LayerCacheSpec(s.kv_heads, s.head_dim, s.q.meta["val"].dtype if scheme else
+                             ctx.facts["kv_caches"][i][0].meta["val"].dtype, scheme)
               for i, s in enumerate(analysis.sites)]
     known = {"positions", "slot_mapping", "block_tables", "seq_lens", "query_start_loc", "logits_indices",
              analysis.input_ids.name} | ({analysis.seq_len.name} if analysis.seq_len is not None else set())
     static_inputs = {}
     for node in compiled.gm.graph.nodes:
-        if node.op == "placeholder" and node.name not in known and not node.name.startswith(("k_cache_", "v_cache_")):
+        if node.op == "placeholder" and node.name not in known and not node.name.startswith(_CACHE_INPUTS):
             static_inputs[node.name] = node.meta.get("example")
     return DecoderProgram(compiled=compiled, layers=layers, vocab_size=analysis.vocab_size,
                           page_size=options.page_size, selects_logits=ctx.facts.get("selects_logits", False),

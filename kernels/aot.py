@@ -20,6 +20,14 @@ page sizes are built for two (dtype, head_dim) points rather than the full cross
 (measured on the 2-core dev box, cold Triton cache: 22 builds per arch, 14-25 s per arch
 depending on load; the full 27-point paged_attention cross product alone took ~35 s per
 arch). Triton's on-disk cache makes warm reruns take a few seconds.
+
+Quantized caches (``quant_cache_write.py``, ``quant_paged_attention.py``): the cache
+layout is fixed per scheme (e4m3 bits / int4 nibbles as ``uint8``; int4 groups follow
+from head_dim), so the constexprs are the input (k/v or q) dtype x head_dim (x page size
+for attention). The writes build every (dtype, head_dim); the attention kernels build
+every (dtype, head_dim) at the default page size and the other page sizes at bf16 /
+head_dim 64 only (a build takes ~2 s: the 40 quantized builds add ~40-55 s per arch on
+the loaded dev box, cold cache).
 """
 
 from __future__ import annotations
@@ -36,6 +44,9 @@ from triton.backends.compiler import GPUTarget
 
 from . import cache_write as _cache_write_mod
 from . import paged_attention as _paged_attention_mod
+from . import quant as _quant_mod
+from . import quant_cache_write as _quant_cache_write_mod
+from . import quant_paged_attention as _quant_paged_attention_mod
 from . import triton_helpers as _triton_helpers_mod
 
 ARCHS = (80, 90)
@@ -51,8 +62,8 @@ _TRITON_TYPE = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "f
 class KernelSpec:
     """One compiled specialization: which kernel and the values of its constexprs."""
 
-    kernel_name: str  # "cache_write" | "paged_attention"
-    dtype: torch.dtype  # cache dtype (q / k / v use the same)
+    kernel_name: str  # a key of _KERNELS: "cache_write", "paged_attention", "cache_write_fp8", ...
+    dtype: torch.dtype  # cache dtype (q / k / v use the same); quantized kernels: the k / v / q dtype
     head_dim: int
     page_size: int | None = None  # paged_attention only
     block_g: int | None = None  # paged_attention only: padded GQA group
@@ -120,26 +131,97 @@ def _paged_attention_source(spec: KernelSpec) -> triton.compiler.ASTSource:
     )
 
 
+def _cache_write_quant_source(spec: KernelSpec) -> triton.compiler.ASTSource:
+    t = _TRITON_TYPE[spec.dtype]
+    int4 = spec.kernel_name == "cache_write_int4"
+    params = "*fp16" if int4 else "*fp32"
+    signature = {
+        "k_ptr": f"*{t}", "v_ptr": f"*{t}", "k_cache_ptr": "*u8", "v_cache_ptr": "*u8",
+        ("k_params_ptr" if int4 else "k_scale_ptr"): params, ("v_params_ptr" if int4 else "v_scale_ptr"): params,
+        "slot_mapping_ptr": "*i64",
+        "stride_kn": "i32", "stride_kh": "i32", "stride_vn": "i32", "stride_vh": "i32",
+        "kv_heads": "i32",
+    }
+    if int4:
+        k_group, v_group = _int4_groups(spec.head_dim)
+        constexprs = {
+            "HEAD_DIM": spec.head_dim, "K_GROUP": k_group, "V_GROUP": v_group,
+            "BLOCK_KG": triton.next_power_of_2(spec.head_dim // k_group),
+            "BLOCK_VG": triton.next_power_of_2(spec.head_dim // v_group),
+        }
+        fn = _quant_cache_write_mod._cache_write_int4_kernel
+    else:
+        constexprs = {"HEAD_DIM": spec.head_dim, "BLOCK_D": triton.next_power_of_2(spec.head_dim)}
+        fn = _quant_cache_write_mod._cache_write_fp8_kernel
+    signature.update({name: "constexpr" for name in constexprs})
+    return triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+
+
+def _paged_attention_quant_source(spec: KernelSpec) -> triton.compiler.ASTSource:
+    t = _TRITON_TYPE[spec.dtype]
+    int4 = spec.kernel_name == "paged_attention_int4"
+    params = "*fp16" if int4 else "*fp32"
+    signature = {
+        "out_ptr": f"*{t}", "q_ptr": f"*{t}", "k_cache_ptr": "*u8", "v_cache_ptr": "*u8",
+        "k_params_ptr": params, "v_params_ptr": params,
+        "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "positions_ptr": "*i64", "seq_ids_ptr": "*i32",
+        "qk_scale": "fp32",
+        "stride_qn": "i32", "stride_qh": "i32", "stride_on": "i32", "stride_oh": "i32",
+        "stride_bt": "i32",
+        "kv_heads": "i32",
+        "group": "i32",
+    }
+    k_group, v_group = _int4_groups(spec.head_dim) if int4 else (0, 0)
+    constexprs = {
+        "HEAD_DIM": spec.head_dim,
+        "BLOCK_D": triton.next_power_of_2(spec.head_dim),
+        "BLOCK_G": spec.block_g,
+        "PAGE_SIZE": spec.page_size,
+        "BLOCK_N": _paged_attention_mod.BLOCK_N,
+        "INT4": int4,
+        "K_GROUP": k_group,
+        "V_GROUP": v_group,
+        "INTERPRETER": False,
+    }
+    signature.update({name: "constexpr" for name in constexprs})
+    return triton.compiler.ASTSource(
+        fn=_quant_paged_attention_mod._quant_paged_attention_kernel, signature=signature, constexprs=constexprs
+    )
+
+
+def _int4_groups(head_dim: int) -> tuple[int, int]:
+    return tuple(_quant_mod.int4_group_size(head_dim, g) for g in _quant_mod.INT4_GROUPS)
+
+
 _KERNELS = {
     "cache_write": (_cache_write_mod._cache_write_kernel, _cache_write_source),
     "paged_attention": (_paged_attention_mod._paged_attention_kernel, _paged_attention_source),
+    "cache_write_fp8": (_quant_cache_write_mod._cache_write_fp8_kernel, _cache_write_quant_source),
+    "cache_write_int4": (_quant_cache_write_mod._cache_write_int4_kernel, _cache_write_quant_source),
+    "paged_attention_fp8": (_quant_paged_attention_mod._quant_paged_attention_kernel, _paged_attention_quant_source),
+    "paged_attention_int4": (_quant_paged_attention_mod._quant_paged_attention_kernel, _paged_attention_quant_source),
 }
 
 
 def specializations(kernel_name: str) -> list[KernelSpec]:
     """The specializations of ``kernel_name`` that the launchers can produce (trimmed, see module doc)."""
     _check_kernel_name(kernel_name)
-    if kernel_name == "cache_write":
-        return [KernelSpec("cache_write", dt, d) for dt in DTYPES for d in HEAD_DIMS]
+    if kernel_name.startswith("cache_write"):
+        return [KernelSpec(kernel_name, dt, d) for dt in DTYPES for d in HEAD_DIMS]
     block_gs = sorted({max(_paged_attention_mod.MIN_BLOCK_G, triton.next_power_of_2(g)) for g in GQA_GROUPS})
     specs = [
-        KernelSpec("paged_attention", dt, d, _DEFAULT_PAGE_SIZE, bg)
+        KernelSpec(kernel_name, dt, d, _DEFAULT_PAGE_SIZE, bg)
         for dt in DTYPES for d in HEAD_DIMS for bg in block_gs
     ]
-    # Other page sizes: one tensor-core (bf16) and one FMA (fp32, "ieee" dot) point.
+    # Other page sizes: one tensor-core (bf16) and one FMA (fp32, "ieee" dot) point; the quantized
+    # kernels (~2 s per build, the dequantization adds integer code) one bf16 point.
+    if kernel_name == "paged_attention":
+        points = ((torch.bfloat16, 128), (torch.float32, 32))
+    else:
+        points = ((torch.bfloat16, 64),)
     specs += [
-        KernelSpec("paged_attention", dt, d, p, bg)
-        for dt, d in ((torch.bfloat16, 128), (torch.float32, 32))
+        KernelSpec(kernel_name, dt, d, p, bg)
+        for dt, d in points
         for p in PAGE_SIZES if p != _DEFAULT_PAGE_SIZE for bg in block_gs
     ]
     return specs
@@ -168,7 +250,7 @@ def compile_for_target(kernel_name: str, arch: int | str) -> list[CompileResult]
 def compile_all(arch: int | str, dump_dir: str | os.PathLike | None = None) -> list[CompileResult]:
     """Compile every specialization of every kernel for ``arch``.
 
-    With ``dump_dir``, writes ``<kernel>.py`` (the kernel's Python source),
+    With ``dump_dir``, writes ``<kernel>.py`` (the source of the kernel's module),
     ``triton_helpers.py`` (the ``@triton.jit`` helpers they call) and
     ``<tag>.sm<arch>.ptx`` per specialization into it.
 
@@ -187,8 +269,9 @@ def compile_all(arch: int | str, dump_dir: str | os.PathLike | None = None) -> l
         out = Path(dump_dir)
         out.mkdir(parents=True, exist_ok=True)
         for name, (kernel, _) in _KERNELS.items():
-            (out / f"{name}.py").write_text(inspect.getsource(kernel.fn))
-        (out / "triton_helpers.py").write_text(inspect.getsource(_triton_helpers_mod))  # cast / dot
+            # The whole module: kernels call @triton.jit helpers defined beside them.
+            (out / f"{name}.py").write_text(inspect.getsource(inspect.getmodule(kernel.fn)))
+        (out / "triton_helpers.py").write_text(inspect.getsource(_triton_helpers_mod))  # cast / dot / e4m3
         for r in results:
             (out / f"{r.spec.tag}.sm{r.arch}.ptx").write_text(r.ptx)
     return results

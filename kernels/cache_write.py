@@ -29,29 +29,56 @@ from .triton_helpers import cast, check_launchable, is_interpreted
 CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def _check_args(k, v, k_cache, v_cache, slot_mapping) -> None:
-    """Validate shapes/dtypes/devices; raises ``ValueError`` with the offending value."""
+def check_token_args(
+    k: torch.Tensor,  # [N, kv_heads, head_dim]
+    v: torch.Tensor,  # [N, kv_heads, head_dim]
+    kv_heads: int,
+    head_dim: int,
+    slot_mapping: torch.Tensor,  # [N]
+) -> None:
+    """Validate the new tokens and their slots against a cache of ``kv_heads`` x ``head_dim``.
+
+    Shared by every cache layout (plain and quantized); raises ``ValueError`` naming the bad
+    argument. Cache layouts are checked by the callers.
+    """
     if k.dim() != 3 or v.shape != k.shape:
         raise ValueError(
             f"k and v must both be [N, kv_heads, head_dim]; got {tuple(k.shape)} and {tuple(v.shape)}"
         )
-    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
-        raise ValueError(
-            "k_cache and v_cache must both be [num_blocks, page_size, kv_heads, head_dim]; "
-            f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
-        )
-    if k_cache.shape[2:] != k.shape[1:]:
-        raise ValueError(f"cache (kv_heads, head_dim) {tuple(k_cache.shape[2:])} != k's {tuple(k.shape[1:])}")
-    if k_cache.dtype not in CACHE_DTYPES or v_cache.dtype != k_cache.dtype:
-        raise ValueError(
-            f"cache dtype must be one of {CACHE_DTYPES} (same for k and v); got {k_cache.dtype}, {v_cache.dtype}"
-        )
+    if (kv_heads, head_dim) != tuple(k.shape[1:]):
+        raise ValueError(f"cache (kv_heads, head_dim) {(kv_heads, head_dim)} != k's {tuple(k.shape[1:])}")
     if not (k.is_floating_point() and v.is_floating_point()):
         raise ValueError(f"k and v must be floating point; got {k.dtype}, {v.dtype}")
     if slot_mapping.dim() != 1 or slot_mapping.shape[0] != k.shape[0]:
         raise ValueError(f"slot_mapping must be [N={k.shape[0]}]; got {tuple(slot_mapping.shape)}")
     if slot_mapping.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"slot_mapping must be int64 (or int32); got {slot_mapping.dtype}")
+
+
+def drop_padding(
+    slot_mapping: torch.Tensor, *rows: torch.Tensor
+) -> tuple[torch.Tensor, ...]:  # (slots int64 [M], *rows[:M])
+    """Slots as int64 and the rows to write, without the padding tokens (slot < 0)."""
+    slots = slot_mapping.long()
+    keep = slots >= 0
+    if bool(keep.all()):
+        return (slots, *rows)
+    # padding present: drop it (data-dependent shape, fine in eager)
+    return (slots[keep], *(r[keep] for r in rows))
+
+
+def _check_args(k, v, k_cache, v_cache, slot_mapping) -> None:
+    """Validate shapes/dtypes/devices; raises ``ValueError`` with the offending value."""
+    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise ValueError(
+            "k_cache and v_cache must both be [num_blocks, page_size, kv_heads, head_dim]; "
+            f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+        )
+    check_token_args(k, v, k_cache.shape[2], k_cache.shape[3], slot_mapping)
+    if k_cache.dtype not in CACHE_DTYPES or v_cache.dtype != k_cache.dtype:
+        raise ValueError(
+            f"cache dtype must be one of {CACHE_DTYPES} (same for k and v); got {k_cache.dtype}, {v_cache.dtype}"
+        )
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("k_cache and v_cache must be contiguous (slots are addressed as a flat index)")
     devices = {t.device for t in (k, v, k_cache, v_cache, slot_mapping)}
@@ -79,10 +106,7 @@ def cache_write_ref(
     """
     _check_args(k, v, k_cache, v_cache, slot_mapping)
     kv_heads, head_dim = k_cache.shape[2:]
-    slots = slot_mapping.long()
-    keep = slots >= 0
-    if not bool(keep.all()):  # padding present: drop it (data-dependent shape, fine in eager)
-        slots, k, v = slots[keep], k[keep], v[keep]
+    slots, k, v = drop_padding(slot_mapping, k, v)
     k_cache.view(-1, kv_heads, head_dim).index_copy_(0, slots, k.to(k_cache.dtype))
     v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slots, v.to(v_cache.dtype))
 

@@ -26,6 +26,8 @@ through the block table).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -44,25 +46,27 @@ MIN_BLOCK_G = 16
 LOG2_E = 1.4426950408889634
 
 
-def _check_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, positions) -> None:
-    """Validate shapes/dtypes/devices; raises ``ValueError`` naming the bad argument."""
+def check_stream_args(
+    q: torch.Tensor,  # [N, num_heads, head_dim]
+    kv_heads: int,
+    head_dim: int,
+    block_tables: torch.Tensor,  # [S, max_blocks]
+    seq_lens: torch.Tensor,  # [S]
+    query_start_loc: torch.Tensor,  # [S + 1]
+    positions: torch.Tensor,  # [N]
+) -> None:
+    """Validate the query stream and its batch metadata against a cache of ``kv_heads`` x ``head_dim``.
+
+    Shared by every paged-attention flavour (plain and quantized caches); raises
+    ``ValueError`` naming the bad argument. Cache layouts are checked by the callers.
+    """
     if q.dim() != 3:
         raise ValueError(f"q must be [N, num_heads, head_dim]; got {tuple(q.shape)}")
-    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
-        raise ValueError(
-            "k_cache and v_cache must both be [num_blocks, page_size, kv_heads, head_dim]; "
-            f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
-        )
-    num_tokens, num_heads, head_dim = q.shape
-    kv_heads = k_cache.shape[2]
-    if k_cache.shape[3] != head_dim:
-        raise ValueError(f"cache head_dim {k_cache.shape[3]} != q head_dim {head_dim}")
+    num_tokens, num_heads, q_head_dim = q.shape
+    if head_dim != q_head_dim:
+        raise ValueError(f"cache head_dim {head_dim} != q head_dim {q_head_dim}")
     if num_heads % kv_heads != 0:
         raise ValueError(f"num_heads {num_heads} must be a multiple of kv_heads {kv_heads}")
-    if k_cache.dtype not in CACHE_DTYPES or v_cache.dtype != k_cache.dtype:
-        raise ValueError(
-            f"cache dtype must be one of {CACHE_DTYPES} (same for k and v); got {k_cache.dtype}, {v_cache.dtype}"
-        )
     if not q.is_floating_point():
         raise ValueError(f"q must be floating point; got {q.dtype}")
     if block_tables.dim() != 2:
@@ -78,9 +82,28 @@ def _check_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, po
                     ("query_start_loc", query_start_loc), ("positions", positions)):
         if t.dtype not in INDEX_DTYPES:
             raise ValueError(f"{name} must be int32 or int64; got {t.dtype}")
-    devices = {t.device for t in (q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, positions)}
+
+
+def check_same_device(*tensors: torch.Tensor) -> None:
+    """``ValueError`` unless every tensor is on one device."""
+    devices = {t.device for t in tensors}
     if len(devices) != 1:
         raise ValueError(f"all tensors must be on one device; got {sorted(map(str, devices))}")
+
+
+def _check_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, positions) -> None:
+    """Validate shapes/dtypes/devices; raises ``ValueError`` naming the bad argument."""
+    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise ValueError(
+            "k_cache and v_cache must both be [num_blocks, page_size, kv_heads, head_dim]; "
+            f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+        )
+    check_stream_args(q, k_cache.shape[2], k_cache.shape[3], block_tables, seq_lens, query_start_loc, positions)
+    if k_cache.dtype not in CACHE_DTYPES or v_cache.dtype != k_cache.dtype:
+        raise ValueError(
+            f"cache dtype must be one of {CACHE_DTYPES} (same for k and v); got {k_cache.dtype}, {v_cache.dtype}"
+        )
+    check_same_device(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, positions)
 
 
 def paged_attention_ref(
@@ -98,7 +121,8 @@ def paged_attention_ref(
     Per sequence: gather its pages through the block-table row in one index op, then one
     ``F.scaled_dot_product_attention`` with the query heads of each kv head folded into
     the query-length dim (no K/V expansion for GQA). A lone query token at
-    ``seq_len - 1`` (plain decode) needs no mask.
+    ``seq_len - 1`` (plain decode) needs no mask. The loop is :func:`attend_pages_ref`,
+    shared with the quantized caches (``quant_paged_attention.py``).
 
     Example
     -------
@@ -111,8 +135,38 @@ def paged_attention_ref(
     torch.Size([3, 2, 32])
     """
     _check_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, positions)
+
+    def gather(pages: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        # index_select: ~5x faster than k_cache[pages]
+        k = k_cache.index_select(0, pages).flatten(0, 1)[:seq_len]
+        v = v_cache.index_select(0, pages).flatten(0, 1)[:seq_len]
+        return k, v
+
+    return attend_pages_ref(q, block_tables, seq_lens, query_start_loc, positions, scale,
+                            page_size=k_cache.shape[1], kv_heads=k_cache.shape[2], gather=gather)
+
+
+def attend_pages_ref(
+    q: torch.Tensor,  # [N, num_heads, head_dim]
+    block_tables: torch.Tensor,  # [S, max_blocks]
+    seq_lens: torch.Tensor,  # [S]
+    query_start_loc: torch.Tensor,  # [S + 1]
+    positions: torch.Tensor,  # [N]
+    scale: float,
+    *,
+    page_size: int,
+    kv_heads: int,
+    gather: Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]],
+) -> torch.Tensor:  # [N, num_heads, head_dim], q.dtype
+    """The math of :func:`paged_attention_ref` over K/V that ``gather`` fetches per sequence.
+
+    ``gather(pages, seq_len) -> (k, v)``, each ``[seq_len, kv_heads, head_dim]`` (any float
+    dtype; upcast to float32 here), where ``pages`` ([num_pages] int64) is the sequence's
+    block-table prefix. A cache layout plugs in only its gather (e.g. a dequantizing one),
+    so it touches the pages of the batch, never the whole pool. Arguments are assumed
+    validated by the caller.
+    """
     num_tokens, num_heads, head_dim = q.shape
-    _, page_size, kv_heads, _ = k_cache.shape
     group = num_heads // kv_heads
     out = q.new_empty(q.shape)  # contiguous, like the fake impl in ops.py
     tables = block_tables.long()
@@ -124,10 +178,10 @@ def paged_attention_ref(
         if num_q == 0:
             continue
         num_pages = -(-seq_len // page_size)
-        pages = tables[s, :num_pages]  # index_select: ~5x faster than k_cache[pages]
-        # [num_pages, page_size, KVH, D] -> [KVH, seq_len, D] (one gather + one transpose copy)
-        k = k_cache.index_select(0, pages).flatten(0, 1)[:seq_len].transpose(0, 1).float()
-        v = v_cache.index_select(0, pages).flatten(0, 1)[:seq_len].transpose(0, 1).float()
+        k, v = gather(tables[s, :num_pages], seq_len)
+        # [seq_len, KVH, D] -> [KVH, seq_len, D] (one transpose copy)
+        k = k.transpose(0, 1).float()
+        v = v.transpose(0, 1).float()
         # [T, H, D] -> [KVH, G * T, D]: row g * T + t is query head kvh * G + g of token t.
         q_s = q[start:end].float().view(num_q, kv_heads, group, head_dim)
         q_s = q_s.permute(1, 2, 0, 3).reshape(kv_heads, group * num_q, head_dim)
@@ -140,6 +194,16 @@ def paged_attention_ref(
         o = o.view(kv_heads, group, num_q, head_dim).permute(2, 0, 1, 3)  # [T, KVH, G, D]
         out[start:end] = o.reshape(num_q, num_heads, head_dim)
     return out
+
+
+def token_seq_ids(query_start_loc: torch.Tensor, num_tokens: int) -> torch.Tensor:  # [N] int32
+    """``seq_ids[i]`` = sequence of stream token ``i`` (host-free: ``output_size`` avoids a sync)."""
+    num_seqs = query_start_loc.shape[0] - 1
+    return torch.repeat_interleave(
+        torch.arange(num_seqs, device=query_start_loc.device, dtype=torch.int32),
+        query_start_loc[1:] - query_start_loc[:-1],
+        output_size=num_tokens,
+    )
 
 
 def paged_attention_triton(
@@ -176,13 +240,7 @@ def paged_attention_triton(
     if num_tokens == 0:
         return out
     check_launchable(_paged_attention_kernel, q.device)
-    # seq_ids[i] = sequence of token i (host-free: output_size avoids a sync).
-    num_seqs = seq_lens.shape[0]
-    seq_ids = torch.repeat_interleave(
-        torch.arange(num_seqs, device=q.device, dtype=torch.int32),
-        query_start_loc[1:] - query_start_loc[:-1],
-        output_size=num_tokens,
-    )
+    seq_ids = token_seq_ids(query_start_loc, num_tokens)
     _paged_attention_kernel[(num_tokens, kv_heads)](
         out, q, k_cache, v_cache, block_tables, seq_lens, positions, seq_ids,
         scale * LOG2_E,

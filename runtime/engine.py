@@ -92,6 +92,10 @@ class Engine:
             from .proposers import make_proposer
 
             self.proposer = make_proposer(draft, self)
+        # every cache tensor indexed by block id: copy-on-write must copy all of them
+        self._all_caches = list(self.kv_cache)
+        if getattr(self.proposer, "shares_target_cache", True) is False:
+            self._all_caches += list(self.proposer.kv_cache)
         self.reset_stats()
 
     # ------------------------------------------------------------------ public
@@ -117,8 +121,8 @@ class Engine:
         for r in requests:
             self.scheduler.add(r)
         self._ignore_eos = ignore_eos
-        self._on_token = (lambda rid, tok: on_token(index[rid], tok)) if on_token else None
         index = {r.request_id: i for i, r in enumerate(requests)}
+        self._on_token = (lambda rid, tok: on_token(index[rid], tok)) if on_token else None
         t0 = time.perf_counter()
         while self.scheduler.has_work():
             self._step(t0)
@@ -128,11 +132,12 @@ class Engine:
         return [self._result(r) for r in requests]
 
     @torch.no_grad()
-    def score(self, token_ids: Sequence[int], chunk_size: int | None = None) -> torch.Tensor:
+    def score(self, token_ids: Sequence[int], chunk_size: int | None = None, return_top1: bool = False):
         """``log p(token_ids[t] | token_ids[:t])`` for t = 1..len-1, computed through the cache.
 
         The sequence runs as prefill chunks of ``chunk_size`` tokens (all at once when None),
-        each attending to the cached K/V of the chunks before it. Returns float32 ``[len - 1]``.
+        each attending to the cached K/V of the chunks before it. Returns float32 ``[len - 1]``;
+        with ``return_top1`` also the most likely next token at each position (int64 ``[len - 1]``).
         """
         ids = list(map(int, token_ids))
         if len(ids) < 2:
@@ -146,7 +151,7 @@ class Engine:
             raise ValueError(f"KV pool exhausted: scoring {len(ids)} tokens needs {need} blocks, the pool has "
                              f"{self.num_blocks - 1}")
         self.kv.add_sequence(sid, [])  # scoring needs every position's logits: no prefix reuse
-        out = []
+        out, top1 = [], []
         try:
             for start in range(0, len(ids) - 1, chunk):
                 n = min(chunk, len(ids) - 1 - start)
@@ -158,9 +163,10 @@ class Engine:
                 logits = self.program(torch.tensor(ids[start:start + n]), meta, self.kv_cache)
                 logp = torch.log_softmax(logits.float(), dim=-1)
                 out.append(logp.gather(1, torch.tensor(ids[start + 1:start + 1 + n]).view(-1, 1)).view(-1))
+                top1.append(logp.argmax(dim=-1))
         finally:
             self.kv.free(sid)
-        return torch.cat(out)
+        return (torch.cat(out), torch.cat(top1)) if return_top1 else torch.cat(out)
 
     @property
     def stats(self) -> dict[str, Any]:
@@ -209,9 +215,9 @@ class Engine:
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         for src, dst in copies:
-            for k, v in self.kv_cache:
-                k[dst].copy_(k[src])
-                v[dst].copy_(v[src])
+            for caches in self._all_caches:
+                for t in caches:  # K, V (and their scales): every tensor indexed by block
+                    t[dst].copy_(t[src])
 
     def _draft(self, chunks: list[ScheduledChunk]) -> dict[int, Draft]:
         """Draft tokens for the decoding sequences; their extra slots are allocated here."""

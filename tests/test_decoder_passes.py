@@ -18,7 +18,7 @@ def test_each_pass_keeps_outputs(family):
     # block table for paging) and raises PassCheckError on any difference.
     program = compile_decoder(make_family(family), BackendOptions(check="numeric", page_size=8))
     names = [r.name for r in program.compiled.context.log]
-    assert names == ["normalize", "annotate", "positions", "kv_cache", "paging", "cleanup", "select_logits"]
+    assert names == ["normalize", "annotate", "positions", "kv_cache", "paging", "kv_quant", "cleanup", "select_logits"]
     targets = [n.target for n in program.gm.graph.nodes if n.op == "call_function"]
     assert targets.count(torch.ops.specgraph.paged_attention.default) == 2
     assert targets.count(torch.ops.specgraph.cache_write.default) == 2
@@ -82,3 +82,24 @@ def test_static_capture_is_rejected_with_a_fix():
 
     with pytest.raises(Exception, match="dynamic=True"):
         torch.compile(model, backend=capture_static, dynamic=False)(torch.randint(0, 97, (1, 6)))
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp8", "int4", "bfloat16"])
+def test_quantized_cache_program(kv_dtype):
+    """kv_quant keeps outputs within quantization error (checked by the manager), swaps in the
+    quantized ops, and the cache holds fewer bytes per token."""
+    model = make_family("sdpa_gqa")
+    program = compile_decoder(model, BackendOptions(kv_dtype=kv_dtype, check="numeric", page_size=8))
+    targets = {n.target for n in program.gm.graph.nodes if n.op == "call_function"}
+    if kv_dtype in ("fp8", "int4"):
+        assert getattr(torch.ops.specgraph, f"paged_attention_{kv_dtype}").default in targets
+        assert torch.ops.specgraph.paged_attention.default not in targets
+    full = compile_decoder(model, BackendOptions(page_size=8))
+    assert program.kv_bytes_per_token() < full.kv_bytes_per_token()
+    ids = torch.randint(0, VOCAB["sdpa_gqa"], (24,))
+    cache = program.new_kv_cache(8)
+    meta = AttentionMetadata.build([([3, 6, 1], 0, 24)], 8, [list(range(24))])
+    with torch.no_grad():
+        got = program(ids, meta, cache)
+        ref = model(ids[None])[0]
+    assert (got.softmax(-1) - ref.softmax(-1)).abs().max() < 0.05

@@ -45,7 +45,8 @@ def compiled(tmp_path_factory):
 
 def test_every_specialization_builds(compiled):
     summary, _ = compiled
-    expected = sorted(s.tag for name in ("cache_write", "paged_attention") for s in aot.specializations(name))
+    expected = sorted(s.tag for name in aot._KERNELS for s in aot.specializations(name))
+    assert {"cache_write_fp8", "cache_write_int4", "paged_attention_fp8", "paged_attention_int4"} <= set(aot._KERNELS)
     for arch, rows in summary.items():
         assert sorted(r["tag"] for r in rows) == expected
         for r in rows:
@@ -57,6 +58,8 @@ def test_dump_dir_has_sources_and_ptx(compiled):
     summary, dump_dir = compiled
     assert "@triton.jit" in (dump_dir / "paged_attention.py").read_text()
     assert "@triton.jit" in (dump_dir / "cache_write.py").read_text()
+    assert "def _quantize_int4_row" in (dump_dir / "cache_write_int4.py").read_text()  # helpers travel along
+    assert "def e4m3_from_bits" in (dump_dir / "triton_helpers.py").read_text()
     for arch, rows in summary.items():
         for r in rows:
             assert (dump_dir / f"{r['tag']}.sm{arch}.ptx").stat().st_size == r["ptx_chars"]
@@ -71,6 +74,24 @@ def test_specializations_cover_the_launch_matrix():
             for group in aot.GQA_GROUPS:
                 assert (dtype, head_dim, max(16, 1 << (group - 1).bit_length())) in built
     assert {s.page_size for s in specs} == set(aot.PAGE_SIZES)
+
+
+def test_quantized_specializations_cover_the_launch_matrix():
+    """Every (q / k / v dtype, head_dim) and GQA group maps to a built quantized binary; fp8 never
+    uses Triton's float8 type (unsupported below sm_89): its caches are uint8 bit patterns."""
+    for name in ("cache_write_fp8", "cache_write_int4"):
+        assert {(s.dtype, s.head_dim) for s in aot.specializations(name)} == {
+            (dt, d) for dt in aot.DTYPES for d in aot.HEAD_DIMS}
+    for name in ("paged_attention_fp8", "paged_attention_int4"):
+        specs = aot.specializations(name)
+        built = {(s.dtype, s.head_dim, s.block_g) for s in specs}
+        for dtype in aot.DTYPES:
+            for head_dim in aot.HEAD_DIMS:
+                for group in aot.GQA_GROUPS:
+                    assert (dtype, head_dim, max(16, 1 << (group - 1).bit_length())) in built
+        assert {s.page_size for s in specs} == set(aot.PAGE_SIZES)
+        signature = aot._KERNELS[name][1](specs[0]).signature
+        assert signature["k_cache_ptr"] == signature["v_cache_ptr"] == "*u8"
 
 
 def test_refuses_to_run_under_the_interpreter():

@@ -1,0 +1,113 @@
+"""``specgraph::`` custom ops over the quantized-cache kernels, with fake impls for torch.compile.
+
+One write op and one attention op per scheme in ``quant.QUANT_SCHEMES``; the signatures
+are the float ops' (``ops.py``) with ``k_scale, v_scale`` after ``v_cache``:
+
+* ``torch.ops.specgraph.cache_write_fp8(k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping) -> None``
+* ``torch.ops.specgraph.paged_attention_fp8(q, k_cache, v_cache, k_scale, v_scale, block_tables,
+  seq_lens, query_start_loc, positions, scale) -> Tensor``
+* ``torch.ops.specgraph.cache_write_int4(...)`` / ``torch.ops.specgraph.paged_attention_int4(...)``:
+  same arguments, int4 layout.
+
+The writes mutate the caches *and* the scale tensors. Dispatch per call is the rule of
+``ops.py``: CUDA tensors -> Triton launcher; CPU tensors -> the ``*_ref`` torch code, or the
+Triton launcher inside ``config.use_triton_kernels()``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import quant_cache_write as _w
+from . import quant_paged_attention as _a
+from .ops import _use_triton
+
+_WRITE_MUTATES = ("k_cache", "v_cache", "k_scale", "v_scale")
+
+
+@torch.library.custom_op("specgraph::cache_write_fp8", mutates_args=_WRITE_MUTATES)
+def cache_write_fp8(
+    k: torch.Tensor,  # [N, kv_heads, head_dim]
+    v: torch.Tensor,  # [N, kv_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, page_size, kv_heads, head_dim] float8_e4m3fn
+    v_cache: torch.Tensor,  # [num_blocks, page_size, kv_heads, head_dim] float8_e4m3fn
+    k_scale: torch.Tensor,  # [num_blocks, page_size, kv_heads] float32
+    v_scale: torch.Tensor,  # [num_blocks, page_size, kv_heads] float32
+    slot_mapping: torch.Tensor,  # [N] int64, < 0 = skip
+) -> None:
+    """Quantize ``k``/``v`` to fp8 into the cache at ``slot_mapping`` (see ``quant_cache_write.py``)."""
+    impl = _w.cache_write_fp8_triton if _use_triton(k) else _w.cache_write_fp8_ref
+    impl(k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping)
+
+
+@torch.library.custom_op("specgraph::cache_write_int4", mutates_args=_WRITE_MUTATES)
+def cache_write_int4(
+    k: torch.Tensor,  # [N, kv_heads, head_dim]
+    v: torch.Tensor,  # [N, kv_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, page_size, kv_heads, head_dim // 2] uint8
+    v_cache: torch.Tensor,  # [num_blocks, page_size, kv_heads, head_dim // 2] uint8
+    k_scale: torch.Tensor,  # [num_blocks, page_size, kv_heads, head_dim // k_group, 2] float16
+    v_scale: torch.Tensor,  # [num_blocks, page_size, kv_heads, head_dim // v_group, 2] float16
+    slot_mapping: torch.Tensor,  # [N] int64, < 0 = skip
+) -> None:
+    """Quantize ``k``/``v`` to int4 into the cache at ``slot_mapping`` (see ``quant_cache_write.py``)."""
+    impl = _w.cache_write_int4_triton if _use_triton(k) else _w.cache_write_int4_ref
+    impl(k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping)
+
+
+@cache_write_fp8.register_fake
+def _cache_write_fp8_fake(k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping) -> None:
+    return None
+
+
+@cache_write_int4.register_fake
+def _cache_write_int4_fake(k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping) -> None:
+    return None
+
+
+@torch.library.custom_op("specgraph::paged_attention_fp8", mutates_args=())
+def paged_attention_fp8(
+    q: torch.Tensor,  # [N, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, page_size, kv_heads, head_dim] float8_e4m3fn
+    v_cache: torch.Tensor,
+    k_scale: torch.Tensor,  # [num_blocks, page_size, kv_heads] float32
+    v_scale: torch.Tensor,
+    block_tables: torch.Tensor,  # [S, max_blocks] int32
+    seq_lens: torch.Tensor,  # [S] int32
+    query_start_loc: torch.Tensor,  # [S + 1] int32
+    positions: torch.Tensor,  # [N] int64
+    scale: float,
+) -> torch.Tensor:  # [N, num_heads, head_dim], q.dtype, contiguous
+    """Causal paged attention over an fp8 cache (see ``quant_paged_attention.py``)."""
+    impl = _a.paged_attention_fp8_triton if _use_triton(q) else _a.paged_attention_fp8_ref
+    return impl(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, query_start_loc, positions, scale)
+
+
+@torch.library.custom_op("specgraph::paged_attention_int4", mutates_args=())
+def paged_attention_int4(
+    q: torch.Tensor,  # [N, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, page_size, kv_heads, head_dim // 2] uint8
+    v_cache: torch.Tensor,
+    k_scale: torch.Tensor,  # [num_blocks, page_size, kv_heads, head_dim // k_group, 2] float16
+    v_scale: torch.Tensor,  # [num_blocks, page_size, kv_heads, head_dim // v_group, 2] float16
+    block_tables: torch.Tensor,  # [S, max_blocks] int32
+    seq_lens: torch.Tensor,  # [S] int32
+    query_start_loc: torch.Tensor,  # [S + 1] int32
+    positions: torch.Tensor,  # [N] int64
+    scale: float,
+) -> torch.Tensor:  # [N, num_heads, head_dim], q.dtype, contiguous
+    """Causal paged attention over an int4 cache (see ``quant_paged_attention.py``)."""
+    impl = _a.paged_attention_int4_triton if _use_triton(q) else _a.paged_attention_int4_ref
+    return impl(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, query_start_loc, positions, scale)
+
+
+@paged_attention_fp8.register_fake
+def _paged_attention_fp8_fake(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, query_start_loc,
+                              positions, scale):
+    return q.new_empty(q.shape)
+
+
+@paged_attention_int4.register_fake
+def _paged_attention_int4_fake(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, query_start_loc,
+                               positions, scale):
+    return q.new_empty(q.shape)

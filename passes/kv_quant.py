@@ -1,0 +1,77 @@
+"""kv_quant: the paged KV cache is stored as FP8 (e4m3) or INT4; attention dequantizes inside.
+
+Invariant: outputs equal those of the float cache up to the quantization error of K and V
+(checked with a loose tolerance on sample inputs); nothing else changes. Only the pages attention
+reads are dequantized, inside the kernel (the Triton kernels dequantize tiles in registers; the
+CPU reference dequantizes the gathered pages of one sequence): no full-precision copy of the
+cache ever exists. Schemes (``kernels/quant.py``): FP8 with one float32 scale per token and kv
+head; INT4 packed two per byte with a float16 (scale, min) per group along head_dim.
+
+Before / after::
+
+    specgraph.cache_write(k, v, k_cache_0, v_cache_0, slot_mapping)
+    o = specgraph.paged_attention(q, k_cache_0, v_cache_0, block_tables, ...)
+    ->
+    specgraph.cache_write_fp8(k, v, k_cache_0, v_cache_0, k_scale_0, v_scale_0, slot_mapping)
+    o = specgraph.paged_attention_fp8(q, k_cache_0, v_cache_0, k_scale_0, v_scale_0, block_tables, ...)
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from ..compiler.passes import PassContext, PassResult
+from ..kernels.quant import get_scheme
+from .graph_utils import add_input, find_input, refresh_meta
+
+specgraph = torch.ops.specgraph
+
+
+def kv_quant(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+    kind = ctx.options.kv_dtype
+    if kind not in ("fp8", "int4"):
+        return PassResult(modified=False)
+    scheme = get_scheme(kind)
+    g = gm.graph
+    page = ctx.options.page_size
+    layers = {}
+    for kc, vc in ctx.facts["kv_caches"]:
+        layer = int(kc.name.rsplit("_", 1)[1])
+        kv_heads, head_dim = kc.meta["val"].shape[2:]
+        fake = scheme.allocate(1, page, kv_heads, head_dim, device="meta")
+        with gm.meta["fake_mode"]:
+            fakes = [torch.empty(t.shape, dtype=t.dtype) for t in fake.tensors()]
+        kc.meta["val"], vc.meta["val"] = fakes[0], fakes[1]
+        ks = add_input(gm, f"k_scale_{layer}", fakes[2])
+        vs = add_input(gm, f"v_scale_{layer}", fakes[3])
+        layers[kc] = (kc, vc, ks, vs)
+    matched = 0
+    for node in list(g.nodes):
+        if node.op != "call_function":
+            continue
+        if node.target == specgraph.cache_write.default:
+            k, v, kc, vc, slots = node.args
+            _, _, ks, vs = layers[kc]
+            with g.inserting_before(node):
+                g.call_function(scheme.write_op.default, (k, v, kc, vc, ks, vs, slots))
+            g.erase_node(node)
+            matched += 1
+        elif node.target == specgraph.paged_attention.default:
+            q, kc, vc, *rest = node.args
+            _, _, ks, vs = layers[kc]
+            with g.inserting_before(node):
+                new = g.call_function(scheme.attention_op.default, (q, kc, vc, ks, vs, *rest))
+            node.replace_all_uses_with(new)
+            g.erase_node(node)
+    ctx.facts["kv_scheme"] = scheme
+    if "positions" in ctx.sample_inputs:
+        for kc, (_, _, ks, vs) in layers.items():
+            sample = ctx.sample_inputs[kc.name]
+            num_blocks, _, kv_heads, head_dim = sample.shape
+            cache = scheme.allocate(num_blocks, page, kv_heads, head_dim)
+            layer = kc.name.rsplit("_", 1)[1]
+            for name, t in zip((f"k_cache_{layer}", f"v_cache_{layer}", ks.name, vs.name), cache.tensors()):
+                ctx.sample_inputs[name] = t
+    find_input(gm, "slot_mapping")  # the pass runs after paging
+    refresh_meta(gm)
+    return PassResult(matched=matched, info={"scheme": kind})

@@ -1,0 +1,86 @@
+"""End to end on the real SmolLM2-135M-Instruct (slow: loads and compiles the 30-layer model once)."""
+import os
+import sys
+
+import pytest
+import torch
+
+import specgraph
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
+from prompts import PROMPTS  # noqa: E402  (the 6 benchmark prompts: 3 code, 3 chat)
+
+pytestmark = pytest.mark.slow
+NEW_TOKENS = 128
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    torch.manual_seed(0)
+    model, tok = specgraph.load_model("smollm2-135m-instruct")
+    engine = specgraph.Engine(model, tokenizer=tok, page_size=16, max_num_seqs=8)
+    prompts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
+               for _, p in PROMPTS]
+    return model, tok, engine, prompts
+
+
+def _hf_greedy(model, tok, prompt, n):
+    ids = tok(prompt, return_tensors="pt", add_special_tokens=False).input_ids
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, use_cache=True,
+                             pad_token_id=tok.eos_token_id)
+    return out[0, ids.shape[1]:].tolist()
+
+
+def test_greedy_equals_hugging_face_on_benchmark_prompts(smollm2):
+    model, tok, engine, prompts = smollm2
+    batch = engine.generate(prompts, max_new_tokens=NEW_TOKENS, ignore_eos=True)  # batch of 6
+    for prompt, result in zip(prompts, batch):
+        assert result.token_ids == _hf_greedy(model, tok, prompt, NEW_TOKENS)
+
+
+def test_speculative_greedy_equals_plain(smollm2):
+    model, tok, engine, prompts = smollm2
+    plain = engine.generate(prompts[:2], max_new_tokens=48, ignore_eos=True)
+    for draft in ("ngram", "layer_skip:6"):
+        spec = specgraph.Engine(model, tokenizer=tok, page_size=16, draft=draft, num_draft_tokens=4)
+        got = spec.generate(prompts[:2], max_new_tokens=48, ignore_eos=True)
+        assert [r.token_ids for r in got] == [r.token_ids for r in plain]
+        assert spec.stats["draft_tokens"] > 0
+
+
+def test_score_matches_uncached_logits_for_chunk_sizes(smollm2):
+    model, tok, engine, prompts = smollm2
+    ids = tok(prompts[0] + "def merge_intervals(intervals):", add_special_tokens=False)["input_ids"]
+    with torch.no_grad():
+        logp = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
+    ref = logp[:-1].gather(1, torch.tensor(ids[1:]).view(-1, 1)).view(-1)
+    for chunk in (1, 7, None):
+        torch.testing.assert_close(engine.score(ids, chunk_size=chunk), ref, atol=2e-4, rtol=1e-4)
+
+
+def test_prefix_cache_hit_keeps_output(smollm2):
+    model, tok, engine, prompts = smollm2
+    shared = "You are a terse assistant. " * 20
+    a = tok.apply_chat_template([{"role": "system", "content": shared}, {"role": "user", "content": "Hi"}],
+                                tokenize=False, add_generation_prompt=True)
+    b = tok.apply_chat_template([{"role": "system", "content": shared}, {"role": "user", "content": "2+2?"}],
+                                tokenize=False, add_generation_prompt=True)
+    engine.generate(a, max_new_tokens=4)
+    r = engine.generate(b, max_new_tokens=16, ignore_eos=True)[0]
+    assert r.cached_tokens >= 96
+    assert r.token_ids == _hf_greedy(model, tok, b, 16)
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp8", "int4"])
+def test_quantized_cache_sizes_and_scores(smollm2, kv_dtype):
+    model, tok, engine, prompts = smollm2
+    quant = specgraph.Engine(model, tokenizer=tok, kv_dtype=kv_dtype, kv_cache_memory=64 << 20)
+    base = specgraph.Engine(model, tokenizer=tok, kv_cache_memory=64 << 20)
+    ratio = quant.stats["kv_bytes_per_token"] / base.stats["kv_bytes_per_token"]
+    assert ratio <= (0.27 if kv_dtype == "fp8" else 0.15)
+    assert quant.stats["kv_pool_tokens"] >= 0.95 * base.stats["kv_pool_tokens"] / ratio
+    ids = tok(prompts[3], add_special_tokens=False)["input_ids"]
+    nll_q = -quant.score(ids, chunk_size=16).mean()
+    nll_f = -base.score(ids, chunk_size=16).mean()
+    assert abs(float(nll_q - nll_f)) < (0.02 if kv_dtype == "fp8" else 0.08)
