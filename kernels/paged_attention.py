@@ -172,10 +172,16 @@ def attend_pages_ref(
     tables = block_tables.long()
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
+    short = [s for s, n in enumerate(lens) if 0 < starts[s + 1] - starts[s] <= BATCHED_MAX_QUERIES]
+    if len(short) > 1:  # decodes and verifies of several sequences: one padded batch
+        _attend_batched(q, out, tables, starts, lens, positions, scale, short, page_size, kv_heads, gather)
+        done = set(short)
+    else:
+        done = set()
     for s, seq_len in enumerate(lens):
         start, end = starts[s], starts[s + 1]
         num_q = end - start
-        if num_q == 0:
+        if num_q == 0 or s in done:
             continue
         num_pages = -(-seq_len // page_size)
         k, v = gather(tables[s, :num_pages], seq_len)
@@ -194,6 +200,45 @@ def attend_pages_ref(
         o = o.view(kv_heads, group, num_q, head_dim).permute(2, 0, 1, 3)  # [T, KVH, G, D]
         out[start:end] = o.reshape(num_q, num_heads, head_dim)
     return out
+
+
+BATCHED_MAX_QUERIES = 16  # sequences with at most this many new tokens share one padded SDPA call
+
+
+def _attend_batched(q, out, tables, starts, lens, positions, scale, seqs, page_size, kv_heads, gather) -> None:
+    """Attention for several short query runs in one SDPA call over their padded pages.
+
+    Each sequence's pages are padded to the longest one's page count (padding points at page 0;
+    the causal mask ``key <= position`` never reaches past the sequence's own length), queries to
+    the longest run (padded rows attend to key 0 only and are dropped).
+    """
+    num_heads, head_dim = q.shape[1:]
+    group = num_heads // kv_heads
+    B = len(seqs)
+    num_q = [starts[s + 1] - starts[s] for s in seqs]
+    qmax = max(num_q)
+    pmax = max(-(-lens[s] // page_size) for s in seqs)
+    idx = torch.tensor(seqs, device=q.device)
+    pages = tables.index_select(0, idx)[:, :pmax]  # [B, P] (rows shorter than pmax hold null pages)
+    length = pmax * page_size
+    k, v = gather(pages.reshape(-1), B * length)  # [B * L, KVH, D] each
+    # slots past a sequence's length hold stale or padding data (even NaN bit patterns): zero them,
+    # since masked-out keys still meet V in probs @ V (0 * NaN = NaN)
+    lens_b = torch.tensor([lens[s] for s in seqs], device=q.device).view(B, 1, 1, 1)
+    live = torch.arange(length, device=q.device).view(1, 1, length, 1) < lens_b  # [B, 1, L, 1]
+    k = torch.where(live, k.view(B, length, kv_heads, head_dim).transpose(1, 2).float(), 0.0)  # [B, KVH, L, D]
+    v = torch.where(live, v.view(B, length, kv_heads, head_dim).transpose(1, 2).float(), 0.0)
+    rows = torch.cat([torch.arange(starts[s], starts[s] + qmax) for s in seqs]).clamp_max(q.shape[0] - 1)
+    valid = torch.cat([torch.arange(qmax) < n for n in num_q]).to(q.device)  # [B * Qmax]
+    q_b = q.index_select(0, rows.to(q.device)).float().view(B, qmax, kv_heads, group, head_dim)
+    q_b = q_b.permute(0, 2, 3, 1, 4).reshape(B, kv_heads, group * qmax, head_dim)
+    pos = torch.where(valid, positions.index_select(0, rows.to(q.device)), 0).view(B, 1, qmax)
+    visible = torch.arange(length, device=q.device).view(1, length, 1) <= pos.view(B, 1, qmax)  # [B, L, Qmax]
+    mask = visible.transpose(1, 2).repeat(1, group, 1).unsqueeze(1)  # [B, 1, G * Qmax, L]
+    o = F.scaled_dot_product_attention(q_b, k, v, attn_mask=mask, scale=scale)  # [B, KVH, G*Qmax, D]
+    o = o.view(B, kv_heads, group, qmax, head_dim).permute(0, 3, 1, 2, 4).reshape(B * qmax, num_heads, head_dim)
+    keep = valid.nonzero().view(-1)
+    out.index_copy_(0, rows.to(q.device).index_select(0, keep), o.index_select(0, keep).to(out.dtype))
 
 
 def token_seq_ids(query_start_loc: torch.Tensor, num_tokens: int) -> torch.Tensor:  # [N] int32
