@@ -224,10 +224,11 @@ def _attend_batched(q, out, tables, starts, lens, positions, scale, seqs, page_s
     k, v = gather(pages.reshape(-1), B * length)  # [B * L, KVH, D] each
     # slots past a sequence's length hold stale or padding data (even NaN bit patterns): zero them,
     # since masked-out keys still meet V in probs @ V (0 * NaN = NaN)
+    # (k and v are fresh gathers, so they are zeroed in place, before the layout change)
     lens_b = torch.tensor([lens[s] for s in seqs], device=q.device).view(B, 1, 1, 1)
-    live = torch.arange(length, device=q.device).view(1, 1, length, 1) < lens_b  # [B, 1, L, 1]
-    k = torch.where(live, k.view(B, length, kv_heads, head_dim).transpose(1, 2).float(), 0.0)  # [B, KVH, L, D]
-    v = torch.where(live, v.view(B, length, kv_heads, head_dim).transpose(1, 2).float(), 0.0)
+    dead = torch.arange(length, device=q.device).view(1, length, 1, 1) >= lens_b  # [B, L, 1, 1]
+    k = k.view(B, length, kv_heads, head_dim).masked_fill_(dead, 0).transpose(1, 2).float()  # [B, KVH, L, D]
+    v = v.view(B, length, kv_heads, head_dim).masked_fill_(dead, 0).transpose(1, 2).float()
     rows = torch.cat([torch.arange(starts[s], starts[s] + qmax) for s in seqs]).clamp_max(q.shape[0] - 1)
     valid = torch.cat([torch.arange(qmax) < n for n in num_q]).to(q.device)  # [B * Qmax]
     q_b = q.index_select(0, rows.to(q.device)).float().view(B, qmax, kv_heads, group, head_dim)
