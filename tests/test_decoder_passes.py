@@ -104,3 +104,18 @@ def test_quantized_cache_program(kv_dtype):
         got = program(ids, meta, cache)
         ref = model(ids[None])[0]
     assert (got.softmax(-1) - ref.softmax(-1)).abs().max() < 0.05
+
+
+def test_program_runs_the_triton_kernels_in_the_interpreter():
+    """The same program with the Triton kernels forced on CPU (TRITON_INTERPRET=1) gives the same logits."""
+    from specgraph.kernels.config import use_triton_kernels
+
+    model = make_family("sdpa_gqa")
+    program = compile_decoder(model, BackendOptions(page_size=8))
+    ids = torch.randint(0, VOCAB["sdpa_gqa"], (11,))
+    meta = AttentionMetadata.build([([2, 5], 0, 11)], 8, [list(range(11))])
+    with torch.no_grad():
+        ref = program(ids, meta, program.new_kv_cache(6))
+        with use_triton_kernels():
+            got = program(ids, meta, program.new_kv_cache(6))
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
