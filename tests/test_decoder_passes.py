@@ -67,18 +67,13 @@ def test_decode_step_writes_cache_in_place():
 
 
 def test_static_capture_is_rejected_with_a_fix():
-    from specgraph.compiler.backend import run_capture_pipeline  # noqa: F401
+    from specgraph.compiler.backend import run_capture_pipeline
     from specgraph.compiler.pipeline import decoder_passes
-    import specgraph
 
     model = make_family("nanogpt")
-    be = specgraph.backend()
-    be_passes = decoder_passes()
 
     def capture_static(gm, example_inputs):
-        from specgraph.compiler.backend import run_capture_pipeline
-
-        run_capture_pipeline(gm, example_inputs, be.options, passes=be_passes)
+        run_capture_pipeline(gm, example_inputs, BackendOptions(), passes=decoder_passes())
         return gm.forward
 
     with pytest.raises(Exception, match="dynamic=True"):
