@@ -42,14 +42,13 @@ import os
 import platform
 import sys
 import time
-import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # prompts.py, common.py
 
 import torch  # noqa: E402
 
 from common import (ModeResult, Run, RssSampler, fmt, format_table, load_average, log,  # noqa: E402
-                    measure_read_bandwidth, median, weight_bytes_per_token)
+                    measure_read_bandwidth, median, quiet_torch, weight_bytes_per_token)
 from prompts import PREFIX_QUESTIONS, PROMPTS, SHARED_DOCUMENT, WARMUP_PROMPT  # noqa: E402
 
 ALL_MODES = ("hf-eager", "hf-static-compile", "no-cache", "specgraph")
@@ -430,16 +429,7 @@ def run_prefix(args, tok, engine) -> dict:
 # ============================================================================== main
 def main(argv=None) -> int:
     args = parse_args(argv)
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    warnings.filterwarnings("ignore")
-    torch.set_num_threads(args.threads)
-    import transformers
-
-    transformers.logging.set_verbosity_error()
-    try:
-        transformers.utils.logging.disable_progress_bar()
-    except AttributeError:
-        pass
+    quiet_torch(args.threads)
     import specgraph
 
     report: dict = dict(config={k: v for k, v in vars(args).items() if k != "prompts"},

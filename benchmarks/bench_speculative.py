@@ -53,13 +53,12 @@ import os
 import platform
 import sys
 import time
-import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # prompts.py, common.py
 
 import torch  # noqa: E402
 
-from common import fmt, format_table, load_average, log, median  # noqa: E402
+from common import fmt, format_table, load_average, log, median, quiet_torch  # noqa: E402
 from prompts import PROMPTS, WARMUP_PROMPT  # noqa: E402
 
 GREEDY, SAMPLED = 0.0, 0.8
@@ -341,16 +340,7 @@ def verify_curve(args, model, engine, vocab: int) -> dict:
 # ============================================================================== main
 def main(argv=None) -> int:
     args = parse_args(argv)
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    warnings.filterwarnings("ignore")
-    torch.set_num_threads(args.threads)
-    import transformers
-
-    transformers.logging.set_verbosity_error()
-    try:
-        transformers.utils.logging.disable_progress_bar()
-    except AttributeError:
-        pass
+    quiet_torch(args.threads)
     import specgraph
 
     t_start = time.perf_counter()

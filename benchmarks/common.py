@@ -203,6 +203,22 @@ def fmt(x, spec: str = ".2f", none: str = "-") -> str:
 _T0 = time.perf_counter()
 
 
+def quiet_torch(threads: int) -> None:
+    """Benchmark set-up shared by the scripts: thread count, no tokenizer threads, no warnings or bars."""
+    import warnings
+
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(threads)
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    try:
+        transformers.utils.logging.disable_progress_bar()
+    except AttributeError:
+        pass
+
+
 def log(msg: str) -> None:
     """Progress on stderr (the results go to stdout)."""
     print(f"[{time.perf_counter() - _T0:7.1f}s] {msg}", file=sys.stderr, flush=True)

@@ -16,7 +16,7 @@ import torch.fx as fx
 
 from ..kernels import quant_cache_write, quant_paged_attention
 from ..kernels.cache_write import cache_write_ref, cache_write_triton
-from ..kernels.config import triton_kernels_forced
+from ..kernels.config import use_triton_for
 from ..kernels.paged_attention import paged_attention_ref, paged_attention_triton
 from .passes import copy_graph_module
 
@@ -27,8 +27,7 @@ def register_lowering(op, reference: Callable, triton_impl: Callable | None) -> 
     """Run ``op`` as ``reference`` on CPU and ``triton_impl`` on CUDA (or when Triton is forced)."""
 
     def dispatch(*args):
-        use_triton = triton_impl is not None and (args[0].is_cuda or triton_kernels_forced())
-        return (triton_impl if use_triton else reference)(*args)
+        return (triton_impl if triton_impl is not None and use_triton_for(args[0]) else reference)(*args)
 
     dispatch.__name__ = f"{getattr(op, '__name__', 'op').split('.')[0]}_impl"
     _LOWERINGS[op] = dispatch

@@ -38,6 +38,11 @@ def use_triton_kernels(enabled: bool = True) -> Iterator[None]:
         _FORCE_TRITON.reset(token)
 
 
+def use_triton_for(t) -> bool:
+    """The dispatch rule of every specgraph op: Triton for CUDA tensors or when forced, else the reference."""
+    return t.is_cuda or triton_kernels_forced()
+
+
 def triton_kernels_forced() -> bool:
     """True inside ``use_triton_kernels(True)``."""
     return _FORCE_TRITON.get()

@@ -18,12 +18,8 @@ from __future__ import annotations
 import torch
 
 from .cache_write import cache_write_ref, cache_write_triton
-from .config import triton_kernels_forced
+from .config import use_triton_for as _use_triton
 from .paged_attention import paged_attention_ref, paged_attention_triton
-
-
-def _use_triton(t: torch.Tensor) -> bool:
-    return t.is_cuda or triton_kernels_forced()
 
 
 @torch.library.custom_op("specgraph::cache_write", mutates_args=("k_cache", "v_cache"))

@@ -20,7 +20,7 @@ import torch
 
 from . import quant_cache_write as _w
 from . import quant_paged_attention as _a
-from .ops import _use_triton
+from .config import use_triton_for as _use_triton
 
 _WRITE_MUTATES = ("k_cache", "v_cache", "k_scale", "v_scale")
 
