@@ -38,6 +38,10 @@ class BackendOptions:
         inputs and fail if the outputs differ (slow; for pass authors and tests).
     mlir:
         Also dump the captured graph as MLIR through torch-mlir (needs the ``mlir`` extra).
+    prepack_weights:
+        On CPU, run float32 linears as oneDNN linears over weights reordered once at compile
+        time (faster few-row GEMMs; one extra copy of those weights). ``False`` keeps
+        ``aten.linear``.
     """
 
     kv_dtype: str = "auto"
@@ -46,6 +50,7 @@ class BackendOptions:
     dump_dir: str | None = None
     check: str = "off"
     mlir: bool = False
+    prepack_weights: bool = True
 
     def __post_init__(self) -> None:
         if self.kv_dtype not in KV_DTYPES:

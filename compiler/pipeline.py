@@ -11,6 +11,7 @@ Phase 2 (decoder programs): turn the cache-free graph into an incremental, paged
     kv_quant    (kv_dtype fp8/int4) quantize on write, dequantize inside attention
     cleanup     dead mask construction and aranges removed
     select_logits  the LM head runs only on the rows whose logits are needed
+    fuse_linears   linears reading one input (q/k/v, gate/up) become one linear over stacked weights
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ CAPTURE_PASSES = [GraphPass(normalize, "normalize"), GraphPass(annotate, "annota
 
 def decoder_passes() -> list[GraphPass]:
     from ..passes.cleanup import cleanup
+    from ..passes.fuse_linears import fuse_linears
     from ..passes.kv_cache import kv_cache
     from ..passes.kv_quant import kv_quant
     from ..passes.paging import paging
@@ -34,4 +36,4 @@ def decoder_passes() -> list[GraphPass]:
                              GraphPass(paging, "paging"), GraphPass(rotate_kv, "rotate_kv"),
                              GraphPass(kv_quant, "kv_quant", check_atol=0.25),
                              GraphPass(cleanup, "cleanup"),
-                             GraphPass(select_logits, "select_logits")]
+                             GraphPass(select_logits, "select_logits"), GraphPass(fuse_linears, "fuse_linears")]

@@ -27,6 +27,14 @@ def find_input(gm: fx.GraphModule, name: str) -> fx.Node:
     raise KeyError(f"graph has no input {name!r}")
 
 
+def attr_value(gm: fx.GraphModule, target: str):
+    """The object a ``get_attr`` node with this ``target`` ("a.b.c") reads, or None."""
+    value = gm
+    for part in target.split("."):
+        value = getattr(value, part, None)
+    return value
+
+
 def fake_like(gm: fx.GraphModule, shape, dtype) -> torch.Tensor:
     """A fake tensor (of the capture's fake mode) for a new input's metadata."""
     with gm.meta["fake_mode"]:

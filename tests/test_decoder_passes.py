@@ -19,7 +19,7 @@ def test_each_pass_keeps_outputs(family):
     program = compile_decoder(make_family(family), BackendOptions(check="numeric", page_size=8))
     names = [r.name for r in program.compiled.context.log]
     assert names == ["normalize", "annotate", "positions", "kv_cache", "paging", "rotate_kv", "kv_quant", "cleanup",
-                     "select_logits"]
+                     "select_logits", "fuse_linears"]
     targets = [n.target for n in program.gm.graph.nodes if n.op == "call_function"]
     assert targets.count(torch.ops.specgraph.paged_attention.default) == 2
     assert targets.count(torch.ops.specgraph.cache_write.default) == 2
@@ -114,3 +114,38 @@ def test_program_runs_the_triton_kernels_in_the_interpreter():
         with use_triton_kernels():
             got = program(ids, meta, program.new_kv_cache(6))
     torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_fuse_linears_stacks_projections_that_share_an_input():
+    """q/k/v (one input) and gate/up (another) become one linear each; outputs are checked by the
+    manager (check="numeric"), and the stacked weight is the concatenation of the originals."""
+    model = make_family("llama")
+    program = compile_decoder(model, BackendOptions(check="numeric", page_size=8))
+    record = next(r for r in program.compiled.context.log if r.name == "fuse_linears")
+    layers = len(model.model.layers)
+    assert record.result.matched == 2 * layers
+    linears = [n for n in program.gm.graph.nodes if n.target == torch.ops.aten.linear.default]
+    assert len(linears) == 4 * layers + 1  # qkv, o, gate_up, down per layer + LM head (was 7 per layer)
+    attn = model.model.layers[0].self_attn
+    stacked = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
+    assert any(torch.equal(b, stacked) for name, b in program.gm.named_buffers() if name.startswith("fused_linear"))
+
+
+def test_cpu_lowering_prepacks_linear_weights_for_onednn():
+    from specgraph.compiler.lowering import lower, onednn_available
+
+    if not onednn_available():
+        pytest.fail("this torch build has no oneDNN (mkldnn); the CPU lowering expects it")
+    model = make_family("llama")
+    program = compile_decoder(model, BackendOptions(page_size=8))
+    plain = compile_decoder(model, BackendOptions(page_size=8, prepack_weights=False))
+    lowered = lower(program.gm)
+    targets = [n.target for n in lowered.graph.nodes if n.op == "call_function"]
+    assert torch.ops.aten.linear.default not in targets
+    assert targets.count(torch.ops.mkldnn._linear_pointwise.default) == 4 * len(model.model.layers) + 1
+    ids = torch.randint(0, VOCAB["llama"], (9,))
+    meta = AttentionMetadata.build([([2, 5], 0, 9)], 8, [list(range(9))])
+    with torch.no_grad():
+        got = program(ids, meta, program.new_kv_cache(6))
+        ref = plain(ids, meta, plain.new_kv_cache(6))
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
