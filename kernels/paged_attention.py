@@ -17,8 +17,8 @@ block table
 GQA
     query head ``h`` uses kv head ``h // G`` with ``G = num_heads // kv_heads``.
 
-``paged_attention_ref`` is the production CPU path: one gather and one SDPA call per
-sequence. ``paged_attention_triton`` launches ``_paged_attention_kernel``: one program
+``paged_attention_ref`` is the production CPU path: a few gathers and SDPA calls per
+step (``attention_plan.py``). ``paged_attention_triton`` launches ``_paged_attention_kernel``: one program
 per (token, kv head), handling that kv head's ``G`` query heads with an online softmax
 over ``BLOCK_N``-token key tiles (tiles may span pages; each key's block is looked up
 through the block table).
@@ -29,10 +29,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from .attention_plan import attend, plan_for
 from .triton_helpers import cast, check_launchable, dot, is_interpreted
 
 CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -118,11 +118,11 @@ def paged_attention_ref(
 ) -> torch.Tensor:  # [N, num_heads, head_dim], q.dtype
     """Pure-torch paged attention, computed in float32 (the production CPU path).
 
-    Per sequence: gather its pages through the block-table row in one index op, then one
-    ``F.scaled_dot_product_attention`` with the query heads of each kv head folded into
-    the query-length dim (no K/V expansion for GQA). A lone query token at
-    ``seq_len - 1`` (plain decode) needs no mask. The loop is :func:`attend_pages_ref`,
-    shared with the quantized caches (``quant_paged_attention.py``).
+    Decodes and short verifies of all sequences: one gather of their cache slots and one
+    padded ``F.scaled_dot_product_attention`` call; each long prefill chunk: its own call.
+    The query heads of each kv head are folded into the query-length dim (no K/V expansion
+    for GQA). Plain decodes of equal-length sequences need no mask. The loop is
+    :func:`attend_pages_ref`, shared with the quantized caches (``quant_paged_attention.py``).
 
     Example
     -------
@@ -136,11 +136,9 @@ def paged_attention_ref(
     """
     _check_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, positions)
 
-    def gather(pages: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        # index_select: ~5x faster than k_cache[pages]
-        k = k_cache.index_select(0, pages).flatten(0, 1)[:seq_len]
-        v = v_cache.index_select(0, pages).flatten(0, 1)[:seq_len]
-        return k, v
+    def gather(slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # index_select: ~5x faster than advanced indexing
+        return k_cache.flatten(0, 1).index_select(0, slots), v_cache.flatten(0, 1).index_select(0, slots)
 
     return attend_pages_ref(q, block_tables, seq_lens, query_start_loc, positions, scale,
                             page_size=k_cache.shape[1], kv_heads=k_cache.shape[2], gather=gather)
@@ -156,90 +154,19 @@ def attend_pages_ref(
     *,
     page_size: int,
     kv_heads: int,
-    gather: Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]],
+    gather: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
 ) -> torch.Tensor:  # [N, num_heads, head_dim], q.dtype
-    """The math of :func:`paged_attention_ref` over K/V that ``gather`` fetches per sequence.
+    """The math of :func:`paged_attention_ref` over K/V that ``gather`` fetches by slot.
 
-    ``gather(pages, seq_len) -> (k, v)``, each ``[seq_len, kv_heads, head_dim]`` (any float
-    dtype; upcast to float32 here), where ``pages`` ([num_pages] int64) is the sequence's
-    block-table prefix. A cache layout plugs in only its gather (e.g. a dequantizing one),
-    so it touches the pages of the batch, never the whole pool. Arguments are assumed
-    validated by the caller.
+    ``gather(slots) -> (k, v)``, each ``[len(slots), kv_heads, head_dim]`` (any float dtype;
+    upcast to float32 here, fresh tensors), where ``slots`` ([n] int64) are flat cache slots
+    ``block * page_size + offset``. A cache layout plugs in only its gather (e.g. a
+    dequantizing one), so it touches the slots of the batch, never the whole pool. The
+    metadata-only work (slots, masks) is planned once per step (``attention_plan.py``).
+    Arguments are assumed validated by the caller.
     """
-    num_tokens, num_heads, head_dim = q.shape
-    group = num_heads // kv_heads
-    out = q.new_empty(q.shape)  # contiguous, like the fake impl in ops.py
-    tables = block_tables.long()
-    starts = query_start_loc.tolist()
-    lens = seq_lens.tolist()
-    short = [s for s, n in enumerate(lens) if 0 < starts[s + 1] - starts[s] <= BATCHED_MAX_QUERIES]
-    if len(short) > 1:  # decodes and verifies of several sequences: one padded batch
-        _attend_batched(q, out, tables, starts, lens, positions, scale, short, page_size, kv_heads, gather)
-        done = set(short)
-    else:
-        done = set()
-    for s, seq_len in enumerate(lens):
-        start, end = starts[s], starts[s + 1]
-        num_q = end - start
-        if num_q == 0 or s in done:
-            continue
-        num_pages = -(-seq_len // page_size)
-        k, v = gather(tables[s, :num_pages], seq_len)
-        # [seq_len, KVH, D] -> [KVH, seq_len, D] (one transpose copy)
-        k = k.transpose(0, 1).float()
-        v = v.transpose(0, 1).float()
-        # [T, H, D] -> [KVH, G * T, D]: row g * T + t is query head kvh * G + g of token t.
-        q_s = q[start:end].float().view(num_q, kv_heads, group, head_dim)
-        q_s = q_s.permute(1, 2, 0, 3).reshape(kv_heads, group * num_q, head_dim)
-        pos = positions[start:end]
-        mask = None
-        if not (num_q == 1 and int(pos[0]) >= seq_len - 1):  # single decode token sees everything
-            visible = torch.arange(seq_len, device=q.device) <= pos[:, None]  # [T, seq_len]
-            mask = visible.repeat(group, 1)  # [G * T, seq_len], broadcast over KVH
-        o = F.scaled_dot_product_attention(q_s, k, v, attn_mask=mask, scale=scale)  # [KVH, G*T, D]
-        o = o.view(kv_heads, group, num_q, head_dim).permute(2, 0, 1, 3)  # [T, KVH, G, D]
-        out[start:end] = o.reshape(num_q, num_heads, head_dim)
-    return out
-
-
-BATCHED_MAX_QUERIES = 16  # sequences with at most this many new tokens share one padded SDPA call
-
-
-def _attend_batched(q, out, tables, starts, lens, positions, scale, seqs, page_size, kv_heads, gather) -> None:
-    """Attention for several short query runs in one SDPA call over their padded pages.
-
-    Each sequence's pages are padded to the longest one's page count (padding points at page 0;
-    the causal mask ``key <= position`` never reaches past the sequence's own length), queries to
-    the longest run (padded rows attend to key 0 only and are dropped).
-    """
-    num_heads, head_dim = q.shape[1:]
-    group = num_heads // kv_heads
-    B = len(seqs)
-    num_q = [starts[s + 1] - starts[s] for s in seqs]
-    qmax = max(num_q)
-    pmax = max(-(-lens[s] // page_size) for s in seqs)
-    idx = torch.tensor(seqs, device=q.device)
-    pages = tables.index_select(0, idx)[:, :pmax]  # [B, P] (rows shorter than pmax hold null pages)
-    length = pmax * page_size
-    k, v = gather(pages.reshape(-1), B * length)  # [B * L, KVH, D] each
-    # slots past a sequence's length hold stale or padding data (even NaN bit patterns): zero them,
-    # since masked-out keys still meet V in probs @ V (0 * NaN = NaN)
-    # (k and v are fresh gathers, so they are zeroed in place, before the layout change)
-    lens_b = torch.tensor([lens[s] for s in seqs], device=q.device).view(B, 1, 1, 1)
-    dead = torch.arange(length, device=q.device).view(1, length, 1, 1) >= lens_b  # [B, L, 1, 1]
-    k = k.view(B, length, kv_heads, head_dim).masked_fill_(dead, 0).transpose(1, 2).float()  # [B, KVH, L, D]
-    v = v.view(B, length, kv_heads, head_dim).masked_fill_(dead, 0).transpose(1, 2).float()
-    rows = torch.cat([torch.arange(starts[s], starts[s] + qmax) for s in seqs]).clamp_max(q.shape[0] - 1)
-    valid = torch.cat([torch.arange(qmax) < n for n in num_q]).to(q.device)  # [B * Qmax]
-    q_b = q.index_select(0, rows.to(q.device)).float().view(B, qmax, kv_heads, group, head_dim)
-    q_b = q_b.permute(0, 2, 3, 1, 4).reshape(B, kv_heads, group * qmax, head_dim)
-    pos = torch.where(valid, positions.index_select(0, rows.to(q.device)), 0).view(B, 1, qmax)
-    visible = torch.arange(length, device=q.device).view(1, length, 1) <= pos.view(B, 1, qmax)  # [B, L, Qmax]
-    mask = visible.transpose(1, 2).repeat(1, group, 1).unsqueeze(1)  # [B, 1, G * Qmax, L]
-    o = F.scaled_dot_product_attention(q_b, k, v, attn_mask=mask, scale=scale)  # [B, KVH, G*Qmax, D]
-    o = o.view(B, kv_heads, group, qmax, head_dim).permute(0, 3, 1, 2, 4).reshape(B * qmax, num_heads, head_dim)
-    keep = valid.nonzero().view(-1)
-    out.index_copy_(0, rows.to(q.device).index_select(0, keep), o.index_select(0, keep).to(out.dtype))
+    plan = plan_for(block_tables, seq_lens, query_start_loc, positions, page_size, q.shape[1] // kv_heads)
+    return attend(q, plan, gather, kv_heads, scale)
 
 
 def token_seq_ids(query_start_loc: torch.Tensor, num_tokens: int) -> torch.Tensor:  # [N] int32

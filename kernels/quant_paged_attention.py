@@ -6,8 +6,8 @@ inside attention, on the pages that are read:
 
 * ``paged_attention_{fp8,int4}_ref`` (the production CPU path) run the float
   reference's loop (:func:`paged_attention.attend_pages_ref`) with a gather that
-  index-selects one sequence's pages of data and params, keeps its ``seq_len`` slots and
-  dequantizes just those to float32. The pool is never dequantized as a whole.
+  index-selects the slots a step reads, of data and params, and dequantizes just those to
+  float32. The pool is never dequantized as a whole.
 * ``paged_attention_{fp8,int4}_triton`` launch ``_quant_paged_attention_kernel``: the float
   kernel's structure (one program per (token, kv head), online softmax over ``BLOCK_N``-key
   tiles, GQA heads batched) with each K/V tile decoded in registers right after its load:
@@ -43,9 +43,9 @@ def _check_args(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, q
     return layout
 
 
-def _seq_slots(t: torch.Tensor, pages: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """The first ``seq_len`` slots of ``pages``: ``[num_blocks, page_size, ...]`` -> ``[seq_len, ...]``."""
-    return t.index_select(0, pages).flatten(0, 1)[:seq_len]
+def _slots(t: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """Rows ``slots`` of ``[num_blocks, page_size, ...]`` viewed as ``[num_blocks * page_size, ...]``."""
+    return t.flatten(0, 1).index_select(0, slots)
 
 
 def paged_attention_fp8_ref(
@@ -78,9 +78,9 @@ def paged_attention_fp8_ref(
     layout = _check_args(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, query_start_loc, positions,
                          fp8_layout)
 
-    def gather(pages: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        k = dequantize_fp8(_seq_slots(k_cache, pages, seq_len), _seq_slots(k_scale, pages, seq_len))
-        v = dequantize_fp8(_seq_slots(v_cache, pages, seq_len), _seq_slots(v_scale, pages, seq_len))
+    def gather(slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        k = dequantize_fp8(_slots(k_cache, slots), _slots(k_scale, slots))
+        v = dequantize_fp8(_slots(v_cache, slots), _slots(v_scale, slots))
         return k, v
 
     return attend_pages_ref(q, block_tables, seq_lens, query_start_loc, positions, scale,
@@ -103,9 +103,9 @@ def paged_attention_int4_ref(
     layout = _check_args(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, query_start_loc, positions,
                          int4_layout)
 
-    def gather(pages: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        k = dequantize_int4(_seq_slots(k_cache, pages, seq_len), _seq_slots(k_scale, pages, seq_len))
-        v = dequantize_int4(_seq_slots(v_cache, pages, seq_len), _seq_slots(v_scale, pages, seq_len))
+    def gather(slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        k = dequantize_int4(_slots(k_cache, slots), _slots(k_scale, slots))
+        v = dequantize_int4(_slots(v_cache, slots), _slots(v_scale, slots))
         return k, v
 
     return attend_pages_ref(q, block_tables, seq_lens, query_start_loc, positions, scale,

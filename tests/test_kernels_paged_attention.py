@@ -222,3 +222,24 @@ def test_bad_arguments_raise_value_error(impl):
         impl(q, cache.double(), cache.double(), tables, lens, qsl, pos, 1.0)
     with pytest.raises(ValueError, match="positions"):
         impl(q, cache, cache, tables, lens, qsl, pos.float(), 1.0)
+
+
+def test_attention_plan_is_built_once_per_step():
+    """Every layer of a step passes the same metadata tensors: the plan is reused; new tensors
+    (the next step) or an in-place change of one rebuild it."""
+    from specgraph.kernels import attention_plan as ap
+
+    tables = torch.tensor([[3, 1], [2, 0]], dtype=torch.int32)
+    lens = torch.tensor([12, 5], dtype=torch.int32)
+    qsl = torch.tensor([0, 1, 2], dtype=torch.int32)
+    pos = torch.tensor([11, 4])
+    first = ap.plan_for(tables, lens, qsl, pos, 8, 2)
+    assert ap.plan_for(tables, lens, qsl, pos, 8, 2) is first
+    assert ap.plan_for(tables.clone(), lens, qsl, pos, 8, 2) is not first
+    again = ap.plan_for(tables, lens, qsl, pos, 8, 2)
+    tables[0, 1] = 4
+    rebuilt = ap.plan_for(tables, lens, qsl, pos, 8, 2)
+    assert rebuilt is not again
+    (grp,) = rebuilt  # two decodes share one padded group: 12 keys each, seq 1's last 7 are padding
+    assert grp.slots.tolist()[:12] == [24 + i for i in range(8)] + [32, 33, 34, 35]
+    assert grp.slots.tolist()[12:17] == [16, 17, 18, 19, 20] and grp.dead.tolist() == list(range(17, 24))

@@ -181,9 +181,9 @@ def test_ref_dequantizes_only_the_slots_it_reads(scheme, monkeypatch):
     qb = quantize_batch(b, scheme)
     assert qb.cache[0].shape[0] * 8 >= 40
     ATTENTION[scheme][0](*qb.args())
-    # seqs 0 and 2 (2 and 1 queries) are attended as one padded batch: their pages only, each padded
-    # to 3 pages of 8 slots (K then V); seq 1 and the rest of the pool are never dequantized
-    assert rows == [2 * 3 * 8, 2 * 3 * 8]
+    # seqs 0 and 2 (2 and 1 queries) are attended as one padded batch: their slots only, each padded
+    # to the longer one's 20 keys (K then V); seq 1 and the rest of the pool are never dequantized
+    assert rows == [2 * 20, 2 * 20]
 
 
 @pytest.mark.parametrize("impl", [0, 1], ids=["ref", "triton"])

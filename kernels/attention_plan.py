@@ -1,0 +1,142 @@
+"""The CPU reference attention's per-step plan: which cache slots each sequence reads, and masks.
+
+Everything the torch reference needs besides q and the cache depends only on the step's
+metadata (block tables, lengths, query ranges, positions), which every layer shares. So the
+plan is built once per step, by the first layer, and reused by the others (``plan_for`` keeps
+the last plan and the metadata tensors it came from; a new step passes new tensors).
+
+A plan is a list of :class:`AttentionGroup`. Sequences with at most ``BATCHED_MAX_QUERIES``
+new tokens (decodes, speculative verifies) share one padded group; each longer one (a prefill
+chunk) is a group of its own. A group reads ``B`` rows of ``L`` keys by flat slot index
+(``block * page_size + offset``); keys past a sequence's length are padding: they point at
+slot 0, are zeroed after the gather (their bytes may be anything, even NaN, and
+``0 * NaN`` would leak through ``probs @ V``), and are masked.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+BATCHED_MAX_QUERIES = 16  # sequences with at most this many new tokens share one padded SDPA call
+
+
+@dataclass
+class AttentionGroup:
+    batch: int  # B sequences
+    num_queries: int  # Q query rows per sequence (padded)
+    num_keys: int  # L keys per sequence (padded)
+    slots: torch.Tensor  # [B * L] int64 flat cache slots
+    dead: torch.Tensor | None  # [P] int64 rows of the gathered [B * L] keys that are padding
+    query_rows: torch.Tensor | slice  # [B * Q] stream rows feeding the padded queries (or a slice)
+    keep: torch.Tensor | None  # [M] int64 padded rows that are real (None: all)
+    out_rows: torch.Tensor | slice  # [M] stream rows the real rows are written to (or a slice)
+    mask: torch.Tensor | None  # [B, 1, G * Q, L] bool, True = visible; None: all visible
+
+
+class _LastPlan:
+    key: tuple = ()
+    tensors: tuple = ()
+    plan: list[AttentionGroup] = []
+
+
+_LAST = _LastPlan()
+
+
+def plan_for(block_tables, seq_lens, query_start_loc, positions, page_size: int, group: int) -> list[AttentionGroup]:
+    """The step's plan, built on the first call for these metadata tensors and reused after."""
+    tensors = (block_tables, seq_lens, query_start_loc, positions)
+    key = (page_size, group) + tuple(t._version for t in tensors)
+    # identity, not equality: the cached tensors are kept alive, so their ids cannot be reused
+    if key == _LAST.key and all(a is b for a, b in zip(tensors, _LAST.tensors)):
+        return _LAST.plan
+    plan = build_plan(block_tables, seq_lens, query_start_loc, positions, page_size, group)
+    _LAST.key, _LAST.tensors, _LAST.plan = key, tensors, plan
+    return plan
+
+
+def build_plan(block_tables, seq_lens, query_start_loc, positions, page_size: int, group: int) -> list[AttentionGroup]:
+    starts = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    runs = [(s, starts[s], starts[s + 1] - starts[s], lens[s]) for s in range(len(lens)) if starts[s + 1] > starts[s]]
+    short = [r for r in runs if r[2] <= BATCHED_MAX_QUERIES]
+    long = [r for r in runs if r[2] > BATCHED_MAX_QUERIES]
+    tables = block_tables.long()
+    num_tokens = positions.shape[0]
+    groups = [_group(tables, positions, [r], page_size, group, num_tokens) for r in long]
+    if short:
+        groups.append(_group(tables, positions, short, page_size, group, num_tokens))
+    return groups
+
+
+def _group(tables, positions, runs, page_size: int, group: int, num_tokens: int) -> AttentionGroup:
+    device = positions.device
+    B = len(runs)
+    qmax = max(n for _, _, n, _ in runs)
+    L = max(length for *_, length in runs)
+    seq_ids = torch.tensor([s for s, *_ in runs], device=device)
+    lens = torch.tensor([length for *_, length in runs], device=device).view(B, 1)
+    key_pos = torch.arange(L, device=device).view(1, L)
+    live = key_pos < lens  # [B, L]
+    pages = tables.index_select(0, seq_ids)  # [B, max_blocks]
+    block = pages.gather(1, (key_pos // page_size).clamp_max(pages.shape[1] - 1).expand(B, L))
+    slots = torch.where(live, block * page_size + key_pos % page_size, 0).reshape(-1)
+    dead = (~live).reshape(-1).nonzero().view(-1)
+
+    starts = [start for _, start, _, _ in runs]
+    counts = [n for _, _, n, _ in runs]
+    contiguous = all(n == qmax for n in counts) and all(b - a == qmax for a, b in zip(starts, starts[1:]))
+    if contiguous:  # the group's queries are one contiguous range of the stream, no padding
+        query_rows = out_rows = slice(starts[0], starts[0] + B * qmax)
+        keep = None
+        q_pos = positions[query_rows].view(B, qmax)
+    else:
+        rows = torch.cat([torch.arange(a, a + qmax) for a in starts]).clamp_max(num_tokens - 1).to(device)
+        valid = torch.cat([torch.arange(qmax) < n for n in counts]).to(device)
+        query_rows = rows
+        keep = valid.nonzero().view(-1)
+        out_rows = rows.index_select(0, keep)
+        q_pos = torch.where(valid, positions.index_select(0, rows), 0).view(B, qmax)
+    # a query at position p sees keys 0..p of its own sequence (capped at the sequence's length)
+    visible = (key_pos.view(1, 1, L) <= q_pos.view(B, qmax, 1)) & live.view(B, 1, L)  # [B, Q, L]
+    if bool(visible.all()):
+        mask = None
+    else:
+        mask = visible.repeat(1, group, 1).unsqueeze(1)  # [B, 1, G * Q, L]; row g * Q + t
+    return AttentionGroup(B, qmax, L, slots, dead if dead.numel() else None, query_rows, keep, out_rows, mask)
+
+
+def attend(
+    q: torch.Tensor,  # [N, num_heads, head_dim]
+    plan: list[AttentionGroup],
+    gather: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+    kv_heads: int,
+    scale: float,
+) -> torch.Tensor:  # [N, num_heads, head_dim], q.dtype, contiguous
+    """Run the plan: per group one gather of its slots and one SDPA call (GQA folded into queries).
+
+    ``gather(slots) -> (k, v)``, each ``[len(slots), kv_heads, head_dim]`` in any float dtype,
+    fresh tensors (zeroed in place at the padding rows).
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    G = num_heads // kv_heads
+    out = q.new_empty(q.shape)
+    for grp in plan:
+        B, Q, L = grp.batch, grp.num_queries, grp.num_keys
+        k, v = gather(grp.slots)
+        if grp.dead is not None:
+            k.index_fill_(0, grp.dead, 0)
+            v.index_fill_(0, grp.dead, 0)
+        k = k.view(B, L, kv_heads, head_dim).transpose(1, 2).float()  # [B, KVH, L, D]
+        v = v.view(B, L, kv_heads, head_dim).transpose(1, 2).float()
+        q_g = q[grp.query_rows] if isinstance(grp.query_rows, slice) else q.index_select(0, grp.query_rows)
+        q_g = q_g.float().view(B, Q, kv_heads, G, head_dim).permute(0, 2, 3, 1, 4).reshape(B, kv_heads, G * Q, head_dim)
+        o = F.scaled_dot_product_attention(q_g, k, v, attn_mask=grp.mask, scale=scale)  # [B, KVH, G*Q, D]
+        o = o.view(B, kv_heads, G, Q, head_dim).permute(0, 3, 1, 2, 4).reshape(B * Q, num_heads, head_dim)
+        if grp.keep is None:
+            out[grp.out_rows] = o
+        else:
+            out.index_copy_(0, grp.out_rows, o.index_select(0, grp.keep).to(out.dtype))
+    return out
