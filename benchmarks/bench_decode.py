@@ -46,6 +46,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # prompts.py, common.py
 
 import torch  # noqa: E402
+import transformers  # noqa: E402
 
 from common import (ModeResult, Run, RssSampler, fmt, format_table, load_average, log,  # noqa: E402
                     measure_read_bandwidth, median, quiet_torch, weight_bytes_per_token)

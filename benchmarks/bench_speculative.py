@@ -57,6 +57,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # prompts.py, common.py
 
 import torch  # noqa: E402
+import transformers  # noqa: E402
 
 from common import fmt, format_table, load_average, log, median, quiet_torch  # noqa: E402
 from prompts import PROMPTS, WARMUP_PROMPT  # noqa: E402

@@ -13,7 +13,6 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-import torch
 import torch.fx as fx
 
 from .capture import CapturedGraph, capture
