@@ -8,9 +8,12 @@ the last plan and the metadata tensors it came from; a new step passes new tenso
 A plan is a list of :class:`AttentionGroup`. Sequences with at most ``BATCHED_MAX_QUERIES``
 new tokens (decodes, speculative verifies) share one padded group; each longer one (a prefill
 chunk) is a group of its own. A group reads ``B`` rows of ``L`` keys by flat slot index
-(``block * page_size + offset``); keys past a sequence's length are padding: they point at
-slot 0, are zeroed after the gather (their bytes may be anything, even NaN, and
-``0 * NaN`` would leak through ``probs @ V``), and are masked.
+(``block * page_size + offset``); keys past a sequence's length are padding: they are masked
+and point at the sequence's own first slot. Reading a real key there (never the stale or
+unwritten slots past the end, whose bytes may be anything, even NaN) keeps every gathered
+value finite, so a masked key adds exactly ``0 * finite = 0`` to ``probs @ V`` and no
+zeroing pass is needed. (Position 0 of a sequence is always written: by this step's cache
+write, which runs before attention in each layer, or by an earlier step.)
 """
 from __future__ import annotations
 
@@ -28,8 +31,7 @@ class AttentionGroup:
     batch: int  # B sequences
     num_queries: int  # Q query rows per sequence (padded)
     num_keys: int  # L keys per sequence (padded)
-    slots: torch.Tensor  # [B * L] int64 flat cache slots
-    dead: torch.Tensor | None  # [P] int64 rows of the gathered [B * L] keys that are padding
+    slots: torch.Tensor  # [B * L] int64 flat cache slots (padding keys: the sequence's first slot)
     query_rows: torch.Tensor | slice  # [B * Q] stream rows feeding the padded queries (or a slice)
     keep: torch.Tensor | None  # [M] int64 padded rows that are real (None: all)
     out_rows: torch.Tensor | slice  # [M] stream rows the real rows are written to (or a slice)
@@ -82,8 +84,8 @@ def _group(tables, positions, runs, page_size: int, group: int, num_tokens: int)
     live = key_pos < lens  # [B, L]
     pages = tables.index_select(0, seq_ids)  # [B, max_blocks]
     block = pages.gather(1, (key_pos // page_size).clamp_max(pages.shape[1] - 1).expand(B, L))
-    slots = torch.where(live, block * page_size + key_pos % page_size, 0).reshape(-1)
-    dead = (~live).reshape(-1).nonzero().view(-1)
+    slots = block * page_size + key_pos % page_size
+    slots = torch.where(live, slots, slots[:, :1]).reshape(-1)
 
     starts = [start for _, start, _, _ in runs]
     counts = [n for _, _, n, _ in runs]
@@ -105,7 +107,7 @@ def _group(tables, positions, runs, page_size: int, group: int, num_tokens: int)
         mask = None
     else:
         mask = visible.repeat(1, group, 1).unsqueeze(1)  # [B, 1, G * Q, L]; row g * Q + t
-    return AttentionGroup(B, qmax, L, slots, dead if dead.numel() else None, query_rows, keep, out_rows, mask)
+    return AttentionGroup(B, qmax, L, slots, query_rows, keep, out_rows, mask)
 
 
 def attend(
@@ -117,8 +119,7 @@ def attend(
 ) -> torch.Tensor:  # [N, num_heads, head_dim], q.dtype, contiguous
     """Run the plan: per group one gather of its slots and one SDPA call (GQA folded into queries).
 
-    ``gather(slots) -> (k, v)``, each ``[len(slots), kv_heads, head_dim]`` in any float dtype,
-    fresh tensors (zeroed in place at the padding rows).
+    ``gather(slots) -> (k, v)``, each ``[len(slots), kv_heads, head_dim]`` in any float dtype.
     """
     num_tokens, num_heads, head_dim = q.shape
     G = num_heads // kv_heads
@@ -126,9 +127,6 @@ def attend(
     for grp in plan:
         B, Q, L = grp.batch, grp.num_queries, grp.num_keys
         k, v = gather(grp.slots)
-        if grp.dead is not None:
-            k.index_fill_(0, grp.dead, 0)
-            v.index_fill_(0, grp.dead, 0)
         k = k.view(B, L, kv_heads, head_dim).transpose(1, 2).float()  # [B, KVH, L, D]
         v = v.view(B, L, kv_heads, head_dim).transpose(1, 2).float()
         q_g = q[grp.query_rows] if isinstance(grp.query_rows, slice) else q.index_select(0, grp.query_rows)

@@ -159,7 +159,7 @@ def attend_pages_ref(
     """The math of :func:`paged_attention_ref` over K/V that ``gather`` fetches by slot.
 
     ``gather(slots) -> (k, v)``, each ``[len(slots), kv_heads, head_dim]`` (any float dtype;
-    upcast to float32 here, fresh tensors), where ``slots`` ([n] int64) are flat cache slots
+    upcast to float32 here), where ``slots`` ([n] int64) are flat cache slots
     ``block * page_size + offset``. A cache layout plugs in only its gather (e.g. a
     dequantizing one), so it touches the slots of the batch, never the whole pool. The
     metadata-only work (slots, masks) is planned once per step (``attention_plan.py``).

@@ -80,9 +80,10 @@ def make_batch(seed, page_size, kv_heads, group, head_dim, dtype, seqs) -> Batch
         rows.append(row)
     block_tables = torch.tensor(rows, dtype=torch.int32)
 
-    # Fill the cache through cache_write_ref (shared slots written once: -1 for the copies).
-    k_cache = torch.randn(num_blocks, page_size, kv_heads, head_dim, generator=gen).to(dtype)
-    v_cache = torch.randn(num_blocks, page_size, kv_heads, head_dim, generator=gen).to(dtype)
+    # Fill the cache through cache_write_ref (shared slots written once: -1 for the copies); every
+    # unwritten slot holds NaN, which must never reach an output (0 * NaN = NaN in probs @ V).
+    k_cache = torch.full((num_blocks, page_size, kv_heads, head_dim), float("nan"), dtype=dtype)
+    v_cache = torch.full((num_blocks, page_size, kv_heads, head_dim), float("nan"), dtype=dtype)
     for s in range(num_seqs):
         j = torch.arange(seq_lens[s])
         slots = block_tables[s, j // page_size].long() * page_size + j % page_size
@@ -240,6 +241,8 @@ def test_attention_plan_is_built_once_per_step():
     tables[0, 1] = 4
     rebuilt = ap.plan_for(tables, lens, qsl, pos, 8, 2)
     assert rebuilt is not again
-    (grp,) = rebuilt  # two decodes share one padded group: 12 keys each, seq 1's last 7 are padding
+    (grp,) = rebuilt  # two decodes share one padded group: 12 keys each, seq 1's last 7 are padding,
+    # read from its first slot (16) and masked
     assert grp.slots.tolist()[:12] == [24 + i for i in range(8)] + [32, 33, 34, 35]
-    assert grp.slots.tolist()[12:17] == [16, 17, 18, 19, 20] and grp.dead.tolist() == list(range(17, 24))
+    assert grp.slots.tolist()[12:] == [16, 17, 18, 19, 20] + [16] * 7
+    assert grp.mask is not None and grp.mask[1, 0, :, 5:].any().item() is False
