@@ -7,7 +7,7 @@ Phase 2 (decoder programs): turn the cache-free graph into an incremental, paged
     positions   token positions become a program input (no more arange over the sequence)
     kv_cache    each attention site writes its new K/V to a cache and attends over the cache
     paging      the cache is addressed through block tables and slot mappings
-    rotate_kv   (kv_dtype int4) attention in a Hadamard-rotated basis, spreading K's outlier channels
+    rotate_kv   (kv_dtype fp8/int4) attention in a Hadamard-rotated basis, spreading K's outlier channels
     kv_quant    (kv_dtype fp8/int4) quantize on write, dequantize inside attention
     cleanup     dead mask construction and aranges removed
     select_logits  the LM head runs only on the rows whose logits are needed
