@@ -24,7 +24,9 @@ import torch.fx as fx
 from ..kernels import quant_cache_write, quant_paged_attention
 from ..kernels.cache_write import cache_write_ref, cache_write_triton
 from ..kernels.config import use_triton_for
-from ..kernels.paged_attention import paged_attention_ref, paged_attention_triton
+from ..kernels import cpu_attention
+from ..kernels.cpu_attention import paged_attention_cpu
+from ..kernels.paged_attention import paged_attention_triton
 from ..passes.graph_utils import attr_value
 from .passes import copy_graph_module
 
@@ -42,7 +44,7 @@ def register_lowering(op, reference: Callable, triton_impl: Callable | None) -> 
 
 
 register_lowering(torch.ops.specgraph.cache_write.default, cache_write_ref, cache_write_triton)
-register_lowering(torch.ops.specgraph.paged_attention.default, paged_attention_ref, paged_attention_triton)
+register_lowering(torch.ops.specgraph.paged_attention.default, paged_attention_cpu, paged_attention_triton)
 for _scheme in ("fp8", "int4"):
     register_lowering(getattr(torch.ops.specgraph, f"cache_write_{_scheme}").default,
                       getattr(quant_cache_write, f"cache_write_{_scheme}_ref"),
@@ -61,8 +63,16 @@ def lower(gm: fx.GraphModule, prepack: bool = True) -> fx.GraphModule:
             node.target = _LOWERINGS[node.target]
     if prepack and onednn_available():
         prepack_linears(lowered)
+    if _runs_cpu_attention(lowered):
+        cpu_attention.build_now()  # compile the C++ kernel here, not in the middle of the first request
     lowered.recompile()
     return lowered
+
+
+def _runs_cpu_attention(gm: fx.GraphModule) -> bool:
+    targets = {n.target for n in gm.graph.nodes if n.op == "call_function"}
+    on_cpu = all(t.device.type == "cpu" for t in gm.parameters()) and all(t.device.type == "cpu" for t in gm.buffers())
+    return _LOWERINGS[torch.ops.specgraph.paged_attention.default] in targets and on_cpu
 
 
 def onednn_available() -> bool:

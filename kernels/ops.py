@@ -6,7 +6,8 @@
   query_start_loc, positions, scale) -> Tensor``
 
 Dispatch per call: CUDA tensors -> Triton launcher; CPU tensors -> the ``*_ref`` torch
-code, or the Triton launcher inside ``config.use_triton_kernels()``.
+code (for paged attention over float32 caches: ``cpu_attention.paged_attention_cpu``, a C++
+kernel for decode/verify steps), or the Triton launcher inside ``config.use_triton_kernels()``.
 
 These are opaque ``custom_op``s rather than ``triton_op``s: under ``TRITON_INTERPRET=1``
 ``wrap_triton`` cannot be traced (FEASIBILITY.md Q4), while an opaque op + ``register_fake``
@@ -19,7 +20,8 @@ import torch
 
 from .cache_write import cache_write_ref, cache_write_triton
 from .config import use_triton_for as _use_triton
-from .paged_attention import paged_attention_ref, paged_attention_triton
+from .cpu_attention import paged_attention_cpu
+from .paged_attention import paged_attention_triton
 
 
 @torch.library.custom_op("specgraph::cache_write", mutates_args=("k_cache", "v_cache"))
@@ -52,7 +54,7 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:  # [N, num_heads, head_dim], q.dtype, contiguous
     """Causal paged attention of a flat token stream (see ``paged_attention.py``)."""
-    impl = paged_attention_triton if _use_triton(q) else paged_attention_ref
+    impl = paged_attention_triton if _use_triton(q) else paged_attention_cpu
     return impl(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, positions, scale)
 
 

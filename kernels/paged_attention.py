@@ -91,7 +91,7 @@ def check_same_device(*tensors: torch.Tensor) -> None:
         raise ValueError(f"all tensors must be on one device; got {sorted(map(str, devices))}")
 
 
-def _check_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, positions) -> None:
+def check_attention_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, positions) -> None:
     """Validate shapes/dtypes/devices; raises ``ValueError`` naming the bad argument."""
     if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
         raise ValueError(
@@ -134,7 +134,7 @@ def paged_attention_ref(
     >>> out.shape
     torch.Size([3, 2, 32])
     """
-    _check_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, positions)
+    check_attention_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, positions)
 
     def gather(slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # index_select: ~5x faster than advanced indexing
@@ -199,7 +199,7 @@ def paged_attention_triton(
     cache dtype (q and the probabilities are rounded to it), as on bf16/fp16 tensor
     cores; fp32 caches use exact fp32 products (no tf32).
     """
-    _check_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, positions)
+    check_attention_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, positions)
     if q.stride(-1) != 1:
         raise ValueError("q must be contiguous in head_dim (stride(-1) == 1)")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):

@@ -45,9 +45,10 @@ def step(q, k, v, k_cache, v_cache, slot_mapping, block_tables, seq_lens, query_
     return out * 2
 
 
-def test_dispatch_cpu_uses_ref_unless_forced(monkeypatch):
+def test_dispatch_cpu_uses_the_cpu_path_unless_forced(monkeypatch):
     calls = []
-    monkeypatch.setattr(ops, "paged_attention_ref", lambda *a: calls.append("ref") or paged_attention_ref(*a))
+    # the CPU implementation is cpu_attention.paged_attention_cpu (C++ for decodes, else the torch ref)
+    monkeypatch.setattr(ops, "paged_attention_cpu", lambda *a: calls.append("cpu") or paged_attention_ref(*a))
     real_triton = ops.paged_attention_triton
     monkeypatch.setattr(ops, "paged_attention_triton", lambda *a: calls.append("triton") or real_triton(*a))
     x = make_inputs()
@@ -59,7 +60,7 @@ def test_dispatch_cpu_uses_ref_unless_forced(monkeypatch):
         with use_triton_kernels(False):
             step(**x)
     assert not triton_kernels_forced()
-    assert calls == ["ref", "triton", "ref"]
+    assert calls == ["cpu", "triton", "cpu"]
 
 
 def test_opcheck_fake_impls():

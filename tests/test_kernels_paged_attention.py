@@ -246,3 +246,44 @@ def test_attention_plan_is_built_once_per_step():
     assert grp.slots.tolist()[:12] == [24 + i for i in range(8)] + [32, 33, 34, 35]
     assert grp.slots.tolist()[12:] == [16, 17, 18, 19, 20] + [16] * 7
     assert grp.mask is not None and grp.mask[1, 0, :, 5:].any().item() is False
+
+
+def _cpp():
+    from specgraph.kernels import cpu_attention
+
+    if cpu_attention.load() is None:
+        pytest.fail(f"the C++ CPU attention kernel did not build: {cpu_attention.build_error()}")
+    return cpu_attention
+
+
+@settings(max_examples=25, deadline=None)
+@given(batches())
+def test_cpp_cpu_kernel_matches_ref(b):
+    """The C++ kernel (any query counts, float32) against the torch reference."""
+    b = dataclasses.replace(b, q=b.q.float(), k_cache=b.k_cache.float(), v_cache=b.v_cache.float())
+    expected = paged_attention_ref(*b.args())
+    out = _cpp().paged_attention_short_cpp(*b.args())
+    assert out.dtype == torch.float32 and out.shape == b.q.shape
+    torch.testing.assert_close(out, expected, atol=ATOL[torch.float32], rtol=RTOL[torch.float32])
+
+
+def test_cpu_dispatch_uses_the_cpp_kernel_for_decodes_only(monkeypatch):
+    cpu = _cpp()
+    calls = []
+    real = cpu.paged_attention_short_cpp
+    monkeypatch.setattr(cpu, "paged_attention_short_cpp", lambda *a: calls.append(1) or real(*a))
+    decodes = make_batch(1, 8, kv_heads=2, group=3, head_dim=32, dtype=torch.float32, seqs=[(37, 1, 0), (20, 3, 0)])
+    torch.testing.assert_close(cpu.paged_attention_cpu(*decodes.args()), paged_attention_ref(*decodes.args()))
+    assert calls == [1]
+    prefill = make_batch(2, 8, kv_heads=2, group=3, head_dim=32, dtype=torch.float32, seqs=[(37, 30, 0), (20, 1, 0)])
+    torch.testing.assert_close(cpu.paged_attention_cpu(*prefill.args()), paged_attention_ref(*prefill.args()))
+    assert calls == [1], "a prefill chunk runs the torch path (SDPA's blocked GEMMs)"
+
+
+def test_cpp_cpu_kernel_rejects_a_block_outside_the_cache():
+    cpu = _cpp()
+    b = make_batch(3, 8, kv_heads=1, group=2, head_dim=32, dtype=torch.float32, seqs=[(20, 1, 0)])
+    tables = b.block_tables.clone()
+    tables[0, 1] = b.k_cache.shape[0] + 5
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        cpu.paged_attention_short_cpp(b.q, b.k_cache, b.v_cache, tables, *b.args()[4:])

@@ -1,0 +1,204 @@
+"""Paged attention for decodes and short verifies on CPU: a small C++ kernel that reads the pages in place.
+
+The torch path (``paged_attention_ref``) gathers every K/V row a step reads into a fresh tensor
+and then runs SDPA over it: each cached byte is read twice and written once. This kernel walks
+the block table and reads each K and V row (all kv heads of a slot, contiguous) once, straight
+from the cache, for every query token and head of the sequence that sees it (GQA: head ``h``
+uses kv head ``h // G``), with a two-pass softmax in float32. One work item is a sequence,
+spread over torch's intra-op threads. (Work items per (token, kv head) read each row in three
+head-sized pieces at different times and were 3x slower on SmolLM2's cold cache.)
+
+It serves steps whose every sequence has at most ``BATCHED_MAX_QUERIES`` new tokens (decodes,
+speculative verifies) over float32 caches; anything else (prefill chunks, where SDPA's blocked
+GEMMs win, bf16/fp16 or quantized caches) runs the torch path. :func:`paged_attention_cpu` is
+that dispatch; it is what the CPU lowering calls. The C++ source is compiled once per machine
+by ``torch.utils.cpp_extension.load_inline`` (cached in ``TORCH_EXTENSIONS_DIR``; about a minute
+on 2 cores the first time). If it cannot be built the torch path runs and ``build_error()``
+says why. The pure-torch reference it is tested against is ``paged_attention_ref``.
+"""
+from __future__ import annotations
+
+import threading
+import warnings
+
+import torch
+
+from .attention_plan import BATCHED_MAX_QUERIES, plan_for
+from .paged_attention import check_attention_args, paged_attention_ref
+
+_CPP = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+// q [N, H, D], k_cache/v_cache [num_blocks, P, KVH, D] (float32, contiguous), block_tables [S, MB]
+// int32, seq_lens [S] int32, query_start_loc [S + 1] int32, positions [N] int64 -> out [N, H, D].
+// Token i of sequence s sees keys 0 .. min(positions[i], seq_lens[s] - 1).
+// One work item per sequence: each cached K/V row (all kv heads, contiguous) is read once and used
+// by every query token and head of the sequence that sees it.
+torch::Tensor paged_attention_short(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                    torch::Tensor block_tables, torch::Tensor seq_lens,
+                                    torch::Tensor query_start_loc, torch::Tensor positions, double scale) {
+  const int64_t N = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t P = k_cache.size(1), KVH = k_cache.size(2), num_blocks = k_cache.size(0);
+  const int64_t G = H / KVH, S = seq_lens.size(0), MB = block_tables.size(1);
+  auto out = torch::zeros({N, H, D}, q.options());
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k_cache.data_ptr<float>();
+  const float* vp = v_cache.data_ptr<float>();
+  const int32_t* bt = block_tables.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  float* op = out.data_ptr<float>();
+  const float sc = static_cast<float>(scale);
+  const int64_t row = KVH * D;  // floats per cache slot
+  at::parallel_for(0, S, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    std::vector<int64_t> visible;
+    for (int64_t s = begin; s < end; ++s) {
+      const int64_t t0 = std::max<int64_t>(qsl[s], 0), t1 = std::min<int64_t>(qsl[s + 1], N);
+      const int64_t T = t1 - t0;
+      if (T <= 0) continue;
+      visible.assign(T, 0);
+      int64_t nk_max = 0;
+      for (int64_t t = 0; t < T; ++t) {
+        visible[t] = std::max<int64_t>(std::min<int64_t>(pos[t0 + t] + 1, lens[s]), 0);
+        nk_max = std::max(nk_max, visible[t]);
+      }
+      if (nk_max == 0) continue;  // no visible key (bad input): output 0, as the other kernels do
+      TORCH_CHECK(nk_max <= MB * P, "sequence ", s, " has ", nk_max, " visible keys but its block table row holds ",
+                  MB * P, " slots");
+      const int32_t* table = bt + s * MB;
+      for (int64_t b = 0; b < (nk_max + P - 1) / P; ++b)
+        TORCH_CHECK(table[b] >= 0 && table[b] < num_blocks, "block_tables[", s, ", ", b, "] = ", table[b],
+                    " is outside the cache's ", num_blocks, " blocks");
+      // scores[(t * H + head) * nk_max + j]
+      scores.assign(T * H * nk_max, 0.f);
+      for (int64_t j = 0; j < nk_max; ++j) {
+        const float* kr = kp + (static_cast<int64_t>(table[j / P]) * P + j % P) * row;
+        for (int64_t t = 0; t < T; ++t) {
+          if (j >= visible[t]) continue;
+          const float* qt = qp + (t0 + t) * H * D;
+          for (int64_t head = 0; head < H; ++head) {
+            const float* qh = qt + head * D;
+            const float* kh = kr + (head / G) * D;
+            float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+            for (int64_t d = 0; d < D; ++d) dot += qh[d] * kh[d];
+            scores[(t * H + head) * nk_max + j] = dot * sc;
+          }
+        }
+      }
+      for (int64_t t = 0; t < T; ++t) {
+        for (int64_t head = 0; head < H; ++head) {
+          float* sg = scores.data() + (t * H + head) * nk_max;
+          const int64_t nk = visible[t];
+          if (nk == 0) continue;
+          const float mx = *std::max_element(sg, sg + nk);
+          float sum = 0.f;
+          for (int64_t j = 0; j < nk; ++j) {
+            sg[j] = std::exp(sg[j] - mx);
+            sum += sg[j];
+          }
+          const float inv = 1.f / sum;
+          for (int64_t j = 0; j < nk; ++j) sg[j] *= inv;
+        }
+      }
+      for (int64_t j = 0; j < nk_max; ++j) {
+        const float* vr = vp + (static_cast<int64_t>(table[j / P]) * P + j % P) * row;
+        for (int64_t t = 0; t < T; ++t) {
+          if (j >= visible[t]) continue;
+          float* ot = op + (t0 + t) * H * D;
+          for (int64_t head = 0; head < H; ++head) {
+            const float p = scores[(t * H + head) * nk_max + j];
+            const float* vh = vr + (head / G) * D;
+            float* oh = ot + head * D;
+#pragma omp simd
+            for (int64_t d = 0; d < D; ++d) oh[d] += p * vh[d];
+          }
+        }
+      }
+    }
+  });
+  return out;
+}
+"""
+
+_EXTENSION = "specgraph_cpu_attention"
+_lock = threading.Lock()
+_module = None
+_error: str | None = None
+
+
+def load():
+    """The compiled extension (built on first use, then cached on disk), or None if it cannot be built."""
+    global _module, _error
+    with _lock:
+        if _module is None and _error is None:
+            try:
+                from torch.utils.cpp_extension import load_inline
+
+                _module = load_inline(
+                    name=_EXTENSION, cpp_sources=[_CPP], functions=["paged_attention_short"],
+                    extra_cflags=["-O3", "-march=native", "-fopenmp-simd"], verbose=False)
+            except Exception as e:  # no compiler, no ninja, ...: the torch path still works
+                _error = f"{type(e).__name__}: {e}"
+                warnings.warn(f"specgraph: the C++ CPU attention kernel could not be built, using the torch path "
+                              f"({_error.splitlines()[0]})", stacklevel=2)
+        return _module
+
+
+def build_now() -> None:
+    """Build (or load the cached build of) the kernel, saying so on stderr when it is a real build."""
+    if _module is not None or _error is not None:
+        return
+    import os
+    import sys
+    import time
+
+    from torch.utils.cpp_extension import _get_build_directory
+
+    cached = os.path.isdir(_get_build_directory(_EXTENSION, verbose=False))
+    t0 = time.perf_counter()
+    if not cached:
+        print("specgraph: building the C++ CPU attention kernel (once per machine, about a minute)...",
+              file=sys.stderr, flush=True)
+    load()
+    if not cached and _module is not None:
+        print(f"specgraph: built in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+
+
+def build_error() -> str | None:
+    """Why the kernel could not be built (None if it was, or was not tried yet)."""
+    return _error
+
+
+def paged_attention_short_cpp(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, positions, scale):
+    """The C++ kernel (same contract as ``paged_attention_ref``; float32 q and caches, any query counts)."""
+    module = load()
+    if module is None:
+        raise RuntimeError(f"the C++ CPU attention kernel is not available: {_error}")
+    return module.paged_attention_short(
+        q.contiguous(), k_cache, v_cache, block_tables.to(torch.int32).contiguous(),
+        seq_lens.to(torch.int32).contiguous(), query_start_loc.to(torch.int32).contiguous(),
+        positions.to(torch.int64).contiguous(), float(scale))
+
+
+def _kernel_applies(q, k_cache, v_cache) -> bool:
+    return (q.dtype == torch.float32 and k_cache.dtype == torch.float32 and v_cache.dtype == torch.float32
+            and q.device.type == "cpu" and k_cache.is_contiguous() and v_cache.is_contiguous())
+
+
+def paged_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, positions, scale):
+    """The production CPU path: the C++ kernel for steps of short query runs, else ``paged_attention_ref``."""
+    if _kernel_applies(q, k_cache, v_cache) and load() is not None:
+        check_attention_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, positions)
+        plan = plan_for(block_tables, seq_lens, query_start_loc, positions, k_cache.shape[1],
+                        q.shape[1] // k_cache.shape[2])
+        if all(g.num_queries <= BATCHED_MAX_QUERIES for g in plan):
+            return paged_attention_short_cpp(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+                                             positions, scale)
+    return paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, positions, scale)
