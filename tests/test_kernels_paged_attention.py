@@ -267,7 +267,7 @@ def test_cpp_cpu_kernel_matches_ref(b):
     torch.testing.assert_close(out, expected, atol=ATOL[torch.float32], rtol=RTOL[torch.float32])
 
 
-def test_cpu_dispatch_uses_the_cpp_kernel_for_decodes_only(monkeypatch):
+def test_cpu_dispatch_uses_the_cpp_kernel_where_it_pays(monkeypatch):
     cpu = _cpp()
     calls = []
     real = cpu.paged_attention_short_cpp
@@ -278,6 +278,12 @@ def test_cpu_dispatch_uses_the_cpp_kernel_for_decodes_only(monkeypatch):
     prefill = make_batch(2, 8, kv_heads=2, group=3, head_dim=32, dtype=torch.float32, seqs=[(37, 30, 0), (20, 1, 0)])
     torch.testing.assert_close(cpu.paged_attention_cpu(*prefill.args()), paged_attention_ref(*prefill.args()))
     assert calls == [1], "a prefill chunk runs the torch path (SDPA's blocked GEMMs)"
+    long_verify = make_batch(4, 16, kv_heads=1, group=2, head_dim=32, dtype=torch.float32, seqs=[(1100, 8, 0)])
+    torch.testing.assert_close(cpu.paged_attention_cpu(*long_verify.args()), paged_attention_ref(*long_verify.args()))
+    assert calls == [1], "8 queries over 1,100 keys: the torch path"
+    long_decode = make_batch(5, 16, kv_heads=1, group=2, head_dim=32, dtype=torch.float32, seqs=[(1100, 2, 0)])
+    torch.testing.assert_close(cpu.paged_attention_cpu(*long_decode.args()), paged_attention_ref(*long_decode.args()))
+    assert calls == [1, 1], "2 queries: the C++ kernel at any context"
 
 
 def test_cpp_cpu_kernel_rejects_a_block_outside_the_cache():
