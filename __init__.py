@@ -4,10 +4,14 @@
     model, tokenizer = specgraph.load_model("smollm2-135m-instruct")
     engine = specgraph.Engine(model, tokenizer=tokenizer, draft="ngram")
 """
-from .compiler.backend import backend, register, specgraph_backend
-from .compiler.options import BackendOptions
-from .compiler.passes import GraphPass, PassContext, PassResult, graph_pass
-from .compiler.pattern import rewrite
+# Absolute imports: this file is also the repository root's __init__.py, which pytest (8+) imports
+# as a bare module when it sets up the root as a package (under a directory name that need not be
+# an identifier, e.g. a CI clone in /tmp/tmp.XXXX); relative imports would fail there. Importing
+# the installed package by name works both ways and never loads a second copy of the modules.
+from specgraph.compiler.backend import backend, register, specgraph_backend
+from specgraph.compiler.options import BackendOptions
+from specgraph.compiler.passes import GraphPass, PassContext, PassResult, graph_pass
+from specgraph.compiler.pattern import rewrite
 
 __all__ = ["backend", "register", "specgraph_backend", "BackendOptions", "GraphPass", "PassContext",
            "PassResult", "graph_pass", "rewrite", "load_model", "Engine"]
@@ -15,11 +19,11 @@ __all__ = ["backend", "register", "specgraph_backend", "BackendOptions", "GraphP
 
 def __getattr__(name):  # heavy runtime pieces load on first use
     if name == "load_model":
-        from .runtime.loader import load_model
+        from specgraph.runtime.loader import load_model
 
         return load_model
     if name == "Engine":
-        from .runtime.engine import Engine
+        from specgraph.runtime.engine import Engine
 
         return Engine
     raise AttributeError(f"module 'specgraph' has no attribute {name!r}")

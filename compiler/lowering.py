@@ -28,6 +28,7 @@ from ..kernels import cpu_attention
 from ..kernels.cpu_attention import paged_attention_cpu
 from ..kernels.paged_attention import paged_attention_triton
 from ..passes.graph_utils import attr_value
+from .dump import Dumper
 from .passes import copy_graph_module
 
 _LOWERINGS: dict[object, Callable] = {}
@@ -54,9 +55,10 @@ for _scheme in ("fp8", "int4"):
                       getattr(quant_paged_attention, f"paged_attention_{_scheme}_triton"))
 
 
-def lower(gm: fx.GraphModule, prepack: bool = True) -> fx.GraphModule:
+def lower(gm: fx.GraphModule, prepack: bool = True, dump_dir: str | None = None) -> fx.GraphModule:
     """A copy of ``gm`` whose specgraph ops call their implementations directly (and whose CPU
-    float32 linears run oneDNN over prepacked weights, when ``prepack`` and oneDNN is available)."""
+    float32 linears run oneDNN over prepacked weights, when ``prepack`` and oneDNN is available).
+    With ``dump_dir``, the C++ source of the CPU attention kernel is written there when it is used."""
     lowered = copy_graph_module(gm)
     for node in lowered.graph.nodes:
         if node.op == "call_function" and node.target in _LOWERINGS:
@@ -65,6 +67,8 @@ def lower(gm: fx.GraphModule, prepack: bool = True) -> fx.GraphModule:
         prepack_linears(lowered)
     if _runs_cpu_attention(lowered):
         cpu_attention.build_now()  # compile the C++ kernel here, not in the middle of the first request
+        if dump_dir:
+            Dumper(dump_dir).write("cpu_attention.cpp", cpu_attention.CPP_SOURCE)
     lowered.recompile()
     return lowered
 

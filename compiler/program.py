@@ -140,7 +140,8 @@ class DecoderProgram:
         self._ids_name = analysis.input_ids.name
         self._len_name = analysis.seq_len.name if analysis.seq_len is not None else None
         self._order = [n.name for n in self.gm.graph.nodes if n.op == "placeholder"]
-        self._executable = lower(self.gm, prepack=self.compiled.context.options.prepack_weights)
+        options = self.compiled.context.options
+        self._executable = lower(self.gm, prepack=options.prepack_weights, dump_dir=options.dump_dir)
 
 
 def _model_dtype(model: torch.nn.Module) -> torch.dtype:

@@ -26,7 +26,7 @@ import torch
 from .attention_plan import BATCHED_MAX_QUERIES, plan_for
 from .paged_attention import check_attention_args, paged_attention_ref
 
-_CPP = r"""
+CPP_SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
@@ -143,7 +143,7 @@ def load():
                 from torch.utils.cpp_extension import load_inline
 
                 _module = load_inline(
-                    name=_EXTENSION, cpp_sources=[_CPP], functions=["paged_attention_short"],
+                    name=_EXTENSION, cpp_sources=[CPP_SOURCE], functions=["paged_attention_short"],
                     extra_cflags=["-O3", "-march=native", "-fopenmp-simd", "-ffast-math"], verbose=False)
             except Exception as e:  # no compiler, no ninja, ...: the torch path still works
                 _error = f"{type(e).__name__}: {e}"
