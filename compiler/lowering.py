@@ -23,9 +23,8 @@ import torch.fx as fx
 
 from ..kernels import quant_cache_write, quant_paged_attention
 from ..kernels.cache_write import cache_write_ref, cache_write_triton
-from ..kernels.config import use_triton_for
 from ..kernels import cpu_attention
-from ..kernels.cpu_attention import paged_attention_cpu
+from ..kernels.config import use_triton_for
 from ..kernels.paged_attention import paged_attention_triton
 from ..passes.graph_utils import attr_value
 from .dump import Dumper
@@ -45,7 +44,8 @@ def register_lowering(op, reference: Callable, triton_impl: Callable | None) -> 
 
 
 register_lowering(torch.ops.specgraph.cache_write.default, cache_write_ref, cache_write_triton)
-register_lowering(torch.ops.specgraph.paged_attention.default, paged_attention_cpu, paged_attention_triton)
+register_lowering(torch.ops.specgraph.paged_attention.default, cpu_attention.paged_attention_cpu,
+                  paged_attention_triton)
 for _scheme in ("fp8", "int4"):
     register_lowering(getattr(torch.ops.specgraph, f"cache_write_{_scheme}").default,
                       getattr(quant_cache_write, f"cache_write_{_scheme}_ref"),

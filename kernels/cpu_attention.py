@@ -12,7 +12,7 @@ It serves decode steps, and short speculative verifies over short contexts (``_k
 over float32 caches; anything else (prefill chunks and long verifies, where SDPA's blocked
 GEMMs win, bf16/fp16 or quantized caches) runs the torch path. :func:`paged_attention_cpu` is
 that dispatch; it is what the CPU lowering calls. The C++ source is compiled once per machine
-by ``torch.utils.cpp_extension.load_inline`` (cached in ``TORCH_EXTENSIONS_DIR``; about a minute
+by ``torch.utils.cpp_extension.load_inline`` (cached in ``TORCH_EXTENSIONS_DIR``; 20-60 s
 on 2 cores the first time). If it cannot be built the torch path runs and ``build_error()``
 says why. The pure-torch reference it is tested against is ``paged_attention_ref``.
 """
@@ -165,7 +165,7 @@ def build_now() -> None:
     cached = os.path.isdir(_get_build_directory(_EXTENSION, verbose=False))
     t0 = time.perf_counter()
     if not cached:
-        print("specgraph: building the C++ CPU attention kernel (once per machine, about a minute)...",
+        print("specgraph: building the C++ CPU attention kernel (once per machine, 20-60 s)...",
               file=sys.stderr, flush=True)
     load()
     if not cached and _module is not None:
@@ -193,8 +193,11 @@ def _kernel_applies(q, k_cache, v_cache) -> bool:
             and q.device.type == "cpu" and k_cache.is_contiguous() and v_cache.is_contiguous())
 
 
+SHORT_STEP_KEYS = 1024  # up to this many keys in a step, the C++ kernel wins for up to 16 queries
+
+
 def _kernel_pays(plan) -> bool:
-    """Where the C++ kernel beats the torch path (measured on SmolLM2's heads, 2 threads; see below).
+    """Where the C++ kernel beats the torch path (measured on SmolLM2's heads, 2 threads).
 
     The kernel's cost grows with queries x keys (about 0.085 us per query-key pair for 9 heads of
     64): it wins for decodes and 2-token verifies at any context (batch 8 at 1000 keys: 0.76 ms vs
@@ -208,11 +211,8 @@ def _kernel_pays(plan) -> bool:
     return max_queries <= 2 or (max_queries <= BATCHED_MAX_QUERIES and keys <= SHORT_STEP_KEYS)
 
 
-SHORT_STEP_KEYS = 1024
-
-
 def paged_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, positions, scale):
-    """The production CPU path: the C++ kernel for steps of short query runs, else ``paged_attention_ref``."""
+    """The CPU path: the C++ kernel where it pays (``_kernel_pays``), else ``paged_attention_ref``."""
     if _kernel_applies(q, k_cache, v_cache) and load() is not None:
         check_attention_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, positions)
         plan = plan_for(block_tables, seq_lens, query_start_loc, positions, k_cache.shape[1],

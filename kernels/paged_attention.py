@@ -17,9 +17,9 @@ block table
 GQA
     query head ``h`` uses kv head ``h // G`` with ``G = num_heads // kv_heads``.
 
-``paged_attention_ref`` is the production CPU path: a few gathers and SDPA calls per
-step (``attention_plan.py``). ``paged_attention_triton`` launches ``_paged_attention_kernel``: one program
-per (token, kv head), handling that kv head's ``G`` query heads with an online softmax
+``paged_attention_ref`` is the pure-torch reference, and the CPU path wherever the C++ kernel of
+``cpu_attention.py`` does not pay: a few gathers and SDPA calls per step (``attention_plan.py``).
+``paged_attention_triton`` launches ``_paged_attention_kernel``: one program per (token, kv head), handling that kv head's ``G`` query heads with an online softmax
 over ``BLOCK_N``-token key tiles (tiles may span pages; each key's block is looked up
 through the block table).
 """
@@ -116,7 +116,8 @@ def paged_attention_ref(
     positions: torch.Tensor,  # [N] int64, position of each query token in its sequence
     scale: float,
 ) -> torch.Tensor:  # [N, num_heads, head_dim], q.dtype
-    """Pure-torch paged attention, computed in float32 (the production CPU path).
+    """Pure-torch paged attention, computed in float32 (the reference; see ``cpu_attention.py`` for
+    the CPU dispatch).
 
     Decodes and short verifies of all sequences: one gather of their cache slots and one
     padded ``F.scaled_dot_product_attention`` call; each long prefill chunk: its own call.

@@ -83,14 +83,6 @@ def fuse_linears(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             g.erase_node(old)
         fused += 1
     if fused:
-        gm.graph.eliminate_dead_code()
-        _drop_unused_attributes(gm)
+        gm.graph.eliminate_dead_code()  # also drops the separate weights' get_attr nodes (pure)
         refresh_meta(gm)
     return PassResult(modified=fused > 0, matched=fused)
-
-
-def _drop_unused_attributes(gm: fx.GraphModule) -> None:
-    """Delete the get_attr nodes left without users (the separate weights stay on the model)."""
-    for node in list(gm.graph.nodes):
-        if node.op == "get_attr" and not node.users:
-            gm.graph.erase_node(node)
