@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import inspect
-import json
 import os
 import platform
 import sys
@@ -49,7 +48,7 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 
 from common import (ModeResult, Run, RssSampler, fmt, format_table, load_average, log,  # noqa: E402
-                    measure_read_bandwidth, median, quiet_torch, weight_bytes_per_token)
+                    measure_read_bandwidth, median, print_report, quiet_torch, weight_bytes_per_token)
 from prompts import PREFIX_QUESTIONS, PROMPTS, SHARED_DOCUMENT, WARMUP_PROMPT  # noqa: E402
 
 ALL_MODES = ("hf-eager", "hf-static-compile", "no-cache", "specgraph")
@@ -605,11 +604,7 @@ def main(argv=None) -> int:
                                f"{100 * r.decode_tok_s / ceiling:.1f}% of the ceiling")
                     report["bandwidth"][f"{m}_fraction_of_ceiling"] = r.decode_tok_s / ceiling
 
-    print("\n".join(out), flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1, default=str)
-        print(f"\nresults saved to {args.json}")
+    print_report(out, report, args.json)
     return 0
 
 

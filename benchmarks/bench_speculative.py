@@ -47,7 +47,6 @@ from __future__ import annotations
 import argparse
 import gc
 import inspect
-import json
 import math
 import os
 import platform
@@ -59,7 +58,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # prompts.py, co
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
-from common import fmt, format_table, load_average, log, median, quiet_torch  # noqa: E402
+from common import fmt, format_table, load_average, log, median, print_report, quiet_torch  # noqa: E402
 from prompts import PROMPTS, WARMUP_PROMPT  # noqa: E402
 
 GREEDY, SAMPLED = 0.0, 0.8
@@ -620,11 +619,7 @@ def main(argv=None) -> int:
                               for m, c in curve.items()}
     report["verify_curve"]["other_cpu_cores"] = curve_other
 
-    print("\n".join(out), flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1, default=str)
-        print(f"\nresults saved to {args.json}")
+    print_report(out, report, args.json)
     return 0
 
 

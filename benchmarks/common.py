@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import statistics
 import sys
@@ -217,6 +218,15 @@ def quiet_torch(threads: int) -> None:
         transformers.utils.logging.disable_progress_bar()
     except AttributeError:
         pass
+
+
+def print_report(lines: list[str], report: dict, json_path: str | None) -> None:
+    """Print the benchmark's text report; with ``json_path``, also save ``report`` there as JSON."""
+    print("\n".join(lines), flush=True)
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(report, f, indent=1, default=str)
+        print(f"\nresults saved to {json_path}")
 
 
 def log(msg: str) -> None:
