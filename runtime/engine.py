@@ -57,7 +57,8 @@ class Engine:
     max_num_seqs, max_tokens_per_step: continuous-batching limits (prefills are chunked to fit).
     draft: speculative decoding proposer: ``"ngram"``/``"ngram:N"`` (prompt lookup),
         ``"layer_skip:K"`` (the target's first K layers, sharing their cache) or a draft
-        ``nn.Module`` with the same vocabulary; None disables speculation.
+        ``nn.Module`` with the same vocabulary, or any object implementing
+        :class:`~specgraph.runtime.proposers.Proposer`; None disables speculation.
     num_draft_tokens: k, the drafts verified per target forward.
     """
 
@@ -77,12 +78,11 @@ class Engine:
         device = self.device = next(model.parameters()).device
         self.kv_cache = self.program.new_kv_cache(self.num_blocks, device=device)
         self.kv = KVCacheManager(self.num_blocks, page_size, enable_prefix_caching=prefix_caching)
-        self.scheduler = Scheduler(self.kv, max_num_seqs=max_num_seqs, max_tokens_per_step=max_tokens_per_step)
+        self.scheduler = Scheduler(self.kv, max_num_seqs=max_num_seqs, max_tokens_per_step=max_tokens_per_step,
+                                   on_preempt=self._release_draft_state)
         self.eos_ids = _eos_ids(model, tokenizer)
         self.page_size = page_size
         self._next_id = 0
-        self._ignore_eos = False
-        self._on_token = None
         self._stats: dict[str, Any] = {}
         if num_draft_tokens < 1:
             raise ValueError(f"num_draft_tokens must be >= 1; got {num_draft_tokens}")
@@ -100,36 +100,74 @@ class Engine:
 
     # ------------------------------------------------------------------ public
     def generate(self, prompts, max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
-                 top_k: int = 0, seed: int = 0, stop: Sequence[str] | None = None,
+                 top_k: int = 0, seed: int = 0, stop: Sequence[str] | None = None, n: int = 1,
                  ignore_eos: bool = False, on_token: Callable[[int, int], None] | None = None
                  ) -> list[GenerationResult]:
         """Generate for one prompt or a batch (``str``, ``list[str]``, ``list[int]`` or ``list[list[int]]``).
 
-        ``on_token(prompt_index, token_id)`` is called for every new token as it is produced
-        (streaming). ``ignore_eos`` keeps generating past EOS (benchmarks).
+        ``n`` samples per prompt: ``results[i * n + j]`` is sample ``j`` of prompt ``i``; the samples
+        share the prompt's cache blocks (copy-on-write). ``on_token(result_index, token_id)`` is
+        called for every new token as it is produced (streaming). ``ignore_eos`` keeps generating
+        past EOS (benchmarks). Requests submitted earlier with :meth:`submit` progress as well.
         """
-        params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1; got {max_new_tokens}")
         prompt_ids = self._encode_prompts(prompts)
-        requests = []
-        for i, ids in enumerate(prompt_ids):
-            gen = None
-            if not params.greedy:
-                gen = torch.Generator().manual_seed(seed * 1_000_003 + i)  # independent streams per sequence
-            requests.append(Request(self._new_id(), ids, max_new_tokens, params, gen, tuple(stop or ())))
-        for r in requests:
+        groups = [self._new_requests(ids, max_new_tokens, temperature, top_p, top_k, seed * 1_000_003 + i * n,
+                                     stop, n, ignore_eos) for i, ids in enumerate(prompt_ids)]
+        requests = [r for g in groups for r in g]
+        for i, r in enumerate(requests):
+            if on_token is not None:
+                r.on_token = (lambda tok, i=i: on_token(i, tok))
+        for r in requests:  # all checked before any is queued
             self.scheduler.add(r)
-        self._ignore_eos = ignore_eos
-        index = {r.request_id: i for i, r in enumerate(requests)}
-        self._on_token = (lambda rid, tok: on_token(index[rid], tok)) if on_token else None
         t0 = time.perf_counter()
-        while self.scheduler.has_work():
-            self._step(t0)
+        for r in requests:
+            r.arrival_time = t0
+        while not all(r.finished for r in requests):
+            self.step()
         elapsed = time.perf_counter() - t0
-        new_tokens = sum(len(r.output_ids) for r in requests)
-        self._account(elapsed, new_tokens, requests, t0)
-        return [self._result(r) for r in requests]
+        self._account(elapsed, requests)
+        return [self.result(r) for r in requests]
+
+    def submit(self, prompt, max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
+               top_k: int = 0, seed: int = 0, stop: Sequence[str] | None = None, n: int = 1,
+               ignore_eos: bool = False, on_token: Callable[[int], None] | None = None) -> list[Request]:
+        """Queue one prompt (``n`` samples) without running it; :meth:`step` advances every request.
+
+        Returns the ``n`` requests; ``request.finished`` tells when one is done and
+        :meth:`result` gives its output. ``on_token(token_id)`` streams each sample's tokens.
+        A request that can never fit the KV pool is refused here (``ValueError`` with the numbers).
+        """
+        (ids,) = self._encode_prompts([prompt])
+        requests = self._new_requests(ids, max_new_tokens, temperature, top_p, top_k, seed, stop, n, ignore_eos)
+        for r in requests:
+            r.on_token = on_token
+            self.scheduler.add(r)
+        return requests
+
+    def step(self) -> list[Request]:
+        """Run one scheduler step (one target forward) and return the requests it finished."""
+        if not self.scheduler.has_work():
+            return []
+        return self._step()
+
+    def abort(self, request: Request) -> None:
+        """Cancel a submitted request; its KV blocks are released at once."""
+        self.scheduler.abort(request)
+        self._release_draft_state(request)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    def result(self, r: Request) -> GenerationResult:
+        """The output of a request so far (final once ``r.finished``)."""
+        ids = r.output_ids
+        text = None
+        if self.tokenizer is not None:
+            text = self.tokenizer.decode(ids, skip_special_tokens=True)
+            for s in r.stop:
+                if s in text:
+                    text = text[:text.index(s)]
+        return GenerationResult(list(ids), text, r.finish_reason or "length", len(r.prompt_ids), r.cached_tokens)
 
     @torch.no_grad()
     def score(self, token_ids: Sequence[int], chunk_size: int | None = None, return_top1: bool = False):
@@ -170,12 +208,20 @@ class Engine:
 
     @property
     def stats(self) -> dict[str, Any]:
+        """Figures of the last ``generate`` call, and counters since :meth:`reset_stats`.
+
+        ``kv_pool_usage``: fraction of the pool's blocks held by live requests (evictable cached
+        blocks do not count); ``preemptions``: running requests pushed back to recompute for lack
+        of blocks; ``evictions``: cached blocks handed out again; ``forks`` and ``cow_copies``:
+        samples that shared their prompt's blocks, and shared blocks copied before a write.
+        """
         s = dict(self._stats)
         s["prefix_cache_hit_rate"] = self.kv.prefix_cache_hit_rate
         s["kv_pool_usage"] = self.kv.usage
         s["kv_bytes_per_token"] = self.program.kv_bytes_per_token()
         s["kv_pool_tokens"] = (self.num_blocks - 1) * self.page_size
-        s["preemptions"] = self.scheduler.preemptions
+        for name, value in self._counters().items():
+            s[name] = value - self._counter_base[name]
         if self.proposer is not None:
             s["proposer"] = self.proposer.name
             s["num_draft_tokens"] = self.num_draft_tokens
@@ -187,12 +233,35 @@ class Engine:
     def reset_stats(self) -> None:
         self._stats = dict(tokens_per_second=0.0, generated_tokens=0, prompt_tokens=0, cached_prompt_tokens=0,
                            target_forwards=0, kv_pool_peak_usage=0.0, time_to_first_token_s=0.0, elapsed_s=0.0,
-                           draft_tokens=0, accepted_tokens=0, verify_steps=0, verify_emitted=0)
+                           draft_tokens=0, accepted_tokens=0, verify_steps=0, verify_emitted=0,
+                           finished_requests=0)
+        self._counter_base = self._counters()
+
+    def _counters(self) -> dict[str, int]:
+        return dict(preemptions=self.scheduler.preemptions, evictions=self.kv.block_pool.num_evictions,
+                    forks=self.scheduler.forks, cow_copies=self.kv.num_cow_copies)
 
     # ---------------------------------------------------------------- internals
     def _new_id(self) -> int:
         self._next_id += 1
         return self._next_id
+
+    def _new_requests(self, ids: list[int], max_new_tokens: int, temperature: float, top_p: float, top_k: int,
+                      seed: int, stop: Sequence[str] | None, n: int, ignore_eos: bool) -> list[Request]:
+        """``n`` samples of one prompt; sample ``j`` samples with a generator seeded ``seed + j``."""
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1; got {max_new_tokens}")
+        if n < 1:
+            raise ValueError(f"n must be >= 1; got {n}")
+        params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)
+        requests: list[Request] = []
+        for j in range(n):
+            gen = None if params.greedy else torch.Generator().manual_seed(seed + j)
+            r = Request(self._new_id(), list(ids), max_new_tokens, params, gen, tuple(stop or ()), ignore_eos,
+                        parent=requests[0] if requests else None)
+            self.scheduler.check_fits(r)
+            requests.append(r)
+        return requests
 
     def _encode_prompts(self, prompts) -> list[list[int]]:
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
@@ -212,6 +281,10 @@ class Engine:
                 raise ValueError(f"prompt token ids must be in [0, {vocab}); got min {min(ids)} max {max(ids)}")
             out.append(ids)
         return out
+
+    def _release_draft_state(self, request: Request) -> None:
+        if self.proposer is not None:
+            self.proposer.release(request.request_id)
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         for src, dst in copies:
@@ -245,10 +318,11 @@ class Engine:
         return drafts
 
     @torch.no_grad()
-    def _step(self, t0: float) -> None:
+    def _step(self) -> list[Request]:
         chunks, copies = self.scheduler.schedule()
         if not chunks:
             raise RuntimeError("scheduler produced an empty step with work pending")
+        finished: list[Request] = []
         self._copy_blocks(copies)
         drafts = self._draft(chunks) if self.proposer is not None else {}
         ids: list[int] = []
@@ -267,6 +341,9 @@ class Engine:
         for c, rows in zip(chunks, want):
             r = c.request
             rid = r.request_id
+            if r.finished:  # aborted by an on_token callback earlier in this loop
+                row += len(rows)
+                continue
             r.num_computed = c.start + c.num_tokens
             if rows and rid in drafts:
                 new_tokens = self._verify(r, drafts[rid], logits[row:row + len(rows)])
@@ -279,16 +356,18 @@ class Engine:
                 new_tokens = []
             row += len(rows)
             for token in new_tokens:
-                self._emit(r, token, t0)
-                if r.finish_reason is not None:
+                self._emit(r, token)
+                if r.finished:
+                    finished.append(r)
                     break
-            if r.finish_reason is None:
+            if not r.finished:
                 self.kv.commit(rid, r.all_ids[:r.num_computed])
             if self.proposer is not None:
-                if r.finish_reason is not None:
+                if r.finished:
                     self.proposer.release(rid)
                 else:
                     self.proposer.on_verified(rid, r.num_computed)
+        return finished
 
     def _verify(self, r: Request, draft: Draft, logits: torch.Tensor) -> list[int]:
         """Accepted drafts + one target token (lossless: greedy match or rejection sampling)."""
@@ -303,19 +382,20 @@ class Engine:
         s["verify_emitted"] += len(tokens)
         return tokens
 
-    def _emit(self, r: Request, token: int, t0: float) -> None:
+    def _emit(self, r: Request, token: int) -> None:
         r.output_ids.append(token)
-        if self._on_token is not None:
-            self._on_token(r.request_id, token)
         if r.first_token_time is None:
-            r.first_token_time = time.perf_counter() - t0
+            r.first_token_time = time.perf_counter() - r.arrival_time
         reason = self._finish_reason(r)
         if reason is not None:
             r.finish_reason = reason
             self.scheduler.finish(r)
+            self._stats["finished_requests"] += 1
+        if r.on_token is not None:
+            r.on_token(token)
 
     def _finish_reason(self, r: Request) -> str | None:
-        if r.output_ids[-1] in self.eos_ids and not self._ignore_eos:
+        if r.output_ids[-1] in self.eos_ids and not r.ignore_eos:
             return "stop"
         if r.stop and self.tokenizer is not None:
             text = self.tokenizer.decode(r.output_ids[-16:], skip_special_tokens=True)
@@ -325,18 +405,9 @@ class Engine:
             return "length"
         return None
 
-    def _result(self, r: Request) -> GenerationResult:
-        ids = r.output_ids
-        text = None
-        if self.tokenizer is not None:
-            text = self.tokenizer.decode(ids, skip_special_tokens=True)
-            for s in r.stop:
-                if s in text:
-                    text = text[:text.index(s)]
-        return GenerationResult(ids, text, r.finish_reason or "length", len(r.prompt_ids), r.cached_tokens)
-
-    def _account(self, elapsed: float, new_tokens: int, requests: list[Request], t0: float) -> None:
+    def _account(self, elapsed: float, requests: list[Request]) -> None:
         s = self._stats
+        new_tokens = sum(len(r.output_ids) for r in requests)
         s["elapsed_s"] = elapsed
         s["generated_tokens"] = new_tokens
         s["tokens_per_second"] = new_tokens / elapsed if elapsed > 0 else 0.0

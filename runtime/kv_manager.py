@@ -25,7 +25,8 @@ not at ``truncate`` time, since its content stays valid until then.
 
 Engine step, per sequence::
 
-    cached = kv.add_sequence(sid, prompt)            # once; positions [0, cached) reused
+    cached, n = kv.admit(sid, prompt, max_chunk)     # once; positions [0, cached) reused,
+                                                     # [cached, cached + n) allocated; None: no room
     copies = kv.allocate(sid, n)                     # None: preempt someone, retry
     for src, dst in copies: cache[:, dst] = cache[:, src]   # every layer, K and V
     slots = kv.slot_mapping(sid, start, n)           # start = num_tokens before allocate
@@ -88,6 +89,7 @@ class KVCacheManager:
         # None when prefix caching is off: nothing is keyed, looked up or counted.
         self.prefix_cache = PrefixCache(self.block_pool) if enable_prefix_caching else None
         self._seqs: dict[int, _Sequence] = {}
+        self.num_cow_copies = 0  # copy-on-write block copies handed out by allocate
 
     # ------------------------------------------------------------------ stats
     @property
@@ -148,6 +150,39 @@ class KVCacheManager:
         self._seqs[seq_id] = seq
         return seq.num_tokens
 
+    def admit(self, seq_id: int, token_ids: Sequence[int], max_chunk: int) -> tuple[int, int] | None:
+        """Register a sequence and allocate its first chunk, all or nothing.
+
+        Reuses the longest cached prefix of ``token_ids`` (as :meth:`add_sequence`), then
+        allocates ``n = min(len(token_ids) - cached, max_chunk)`` tokens after it. Returns
+        ``(cached, n)``; or ``None`` when the pool cannot supply the blocks, and then nothing
+        changed: no sequence, no references, no blocks, no hit-rate counts. A cached block
+        the hit revives from the free queue is not available to the new blocks, so it is
+        subtracted from what the pool can give.
+        """
+        if seq_id in self._seqs:
+            raise ValueError(f"sequence {seq_id} already exists")
+        if max_chunk < 1:
+            raise ValueError(f"max_chunk must be >= 1; got {max_chunk}")
+        page = self.page_size
+        blocks, keys = [], []
+        if self.prefix_cache is not None:
+            max_blocks = max(0, len(token_ids) - 1) // page
+            blocks, keys = self.prefix_cache.lookup(token_ids, max_blocks, record=False)
+        cached = len(blocks) * page
+        n = min(len(token_ids) - cached, max_chunk)
+        revived = sum(self.block_pool.ref_count(b) == 0 for b in blocks)
+        if _cdiv(cached + n, page) - len(blocks) > self.block_pool.num_free_blocks - revived:
+            return None
+        self.block_pool.incref(blocks)
+        self._seqs[seq_id] = _Sequence(blocks=blocks, num_tokens=cached, keys=keys)
+        if self.prefix_cache is not None:
+            self.prefix_cache.record(len(token_ids), cached)
+        copies = self.allocate(seq_id, n)
+        # Hits are whole blocks, so there is no shared partial block to copy, and the room was checked.
+        assert copies == [], copies
+        return cached, n
+
     def num_blocks_needed(self, seq_id: int, num_new_tokens: int) -> int:
         """Free blocks ``allocate(seq_id, num_new_tokens)`` would take (copy included)."""
         seq = self._get(seq_id)
@@ -185,6 +220,7 @@ class KVCacheManager:
             self.block_pool.free([last])
             seq.blocks[-1] = dst
             copies.append((last, dst))
+            self.num_cow_copies += 1
         elif last is not None:
             # Private block that may still carry a key from before a truncate; its tail
             # is about to be overwritten, so it must leave the prefix cache now.
@@ -249,6 +285,26 @@ class KVCacheManager:
         seq = self._get(seq_id)
         self.block_pool.free(reversed(seq.blocks))
         del self._seqs[seq_id]
+
+    def sequence_ids(self) -> list[int]:
+        """Ids of the registered sequences (every one holds references on its blocks)."""
+        return list(self._seqs)
+
+    def check_invariants(self) -> None:
+        """Raise ``AssertionError`` if block tables and reference counts disagree (tests/debug).
+
+        Besides the pool's own invariants: every block's reference count equals the number of
+        block-table entries naming it, and each table has ``ceil(num_tokens / page_size)`` blocks.
+        """
+        self.block_pool.check_invariants()
+        owners = [0] * self.block_pool.num_blocks
+        for seq_id, seq in self._seqs.items():
+            assert len(seq.blocks) == _cdiv(seq.num_tokens, self.page_size), seq_id
+            assert len(seq.keys) <= seq.num_tokens // self.page_size, seq_id
+            for b in seq.blocks:
+                owners[b] += 1
+        for b in range(1, self.block_pool.num_blocks):
+            assert self.block_pool.ref_count(b) == owners[b], (b, self.block_pool.ref_count(b), owners[b])
 
     # -------------------------------------------------------------- helpers
     def _get(self, seq_id: int) -> _Sequence:

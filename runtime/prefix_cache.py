@@ -85,12 +85,15 @@ class PrefixCache:
         """``hit_tokens / queried_tokens`` (0.0 before the first query)."""
         return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
 
-    def lookup(self, token_ids: Sequence[int], max_blocks: int) -> tuple[list[int], list[BlockKey]]:
+    def lookup(self, token_ids: Sequence[int], max_blocks: int, record: bool = True
+               ) -> tuple[list[int], list[BlockKey]]:
         """Longest chain of cached full blocks that prefixes ``token_ids``.
 
         Returns ``(block_ids, keys)`` for at most ``max_blocks`` blocks. Does not take
         references: the caller must ``incref`` the blocks before anything can allocate.
-        Counts ``len(token_ids)`` queried tokens and the matched tokens as hits.
+        With ``record`` counts ``len(token_ids)`` queried tokens and the matched tokens as
+        hits; a caller that may abandon the lookup passes ``False`` and calls :meth:`record`
+        once it keeps it.
         """
         page = self.page_size
         max_blocks = max(0, min(max_blocks, len(token_ids) // page))
@@ -105,9 +108,14 @@ class PrefixCache:
             blocks.append(block_id)
             keys.append(key)
             parent = key
-        self.queried_tokens += len(token_ids)
-        self.hit_tokens += len(blocks) * page
+        if record:
+            self.record(len(token_ids), len(blocks) * page)
         return blocks, keys
+
+    def record(self, queried_tokens: int, hit_tokens: int) -> None:
+        """Count one lookup that was kept (see :meth:`lookup`)."""
+        self.queried_tokens += queried_tokens
+        self.hit_tokens += hit_tokens
 
     def register(self, block_ids: Sequence[int], token_ids: Sequence[int], parent: BlockKey | None) -> list[BlockKey]:
         """Key and cache the full blocks of ``token_ids`` that ``block_ids`` hold.

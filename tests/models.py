@@ -158,3 +158,22 @@ def make_family(name: str, seed: int = 0) -> nn.Module:
 
 FAMILIES = ("llama", "gpt2", "nanogpt", "sdpa_gqa")
 VOCAB = {"llama": 128, "gpt2": 113, "nanogpt": 97, "sdpa_gqa": 101}
+
+
+def random_prompts(family: str, lengths, seed: int = 0) -> list[list[int]]:
+    """Seeded random token prompts of the given lengths in the family's vocabulary."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB[family], (n,), generator=g).tolist() for n in lengths]
+
+
+def uncached_greedy(model: nn.Module, prompt: list[int], n: int) -> list[int]:
+    """The reference: n greedy tokens, each from a full forward over everything so far (no cache)."""
+    ids = torch.tensor([prompt])
+    out = []
+    with torch.no_grad():
+        for _ in range(n):
+            logits = model(ids)
+            t = int(getattr(logits, "logits", logits)[0, -1].argmax())
+            out.append(t)
+            ids = torch.cat([ids, torch.tensor([[t]])], 1)
+    return out

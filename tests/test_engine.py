@@ -3,27 +3,12 @@ import pytest
 import torch
 
 import specgraph
-from models import FAMILIES, VOCAB, make_family
+from models import FAMILIES, make_family, uncached_greedy
+from models import random_prompts as _prompts
 
 
 def _logits(out):
     return getattr(out, "logits", out)
-
-
-def uncached_greedy(model, prompt, n):
-    ids = torch.tensor([prompt])
-    out = []
-    with torch.no_grad():
-        for _ in range(n):
-            t = int(_logits(model(ids))[0, -1].argmax())
-            out.append(t)
-            ids = torch.cat([ids, torch.tensor([[t]])], 1)
-    return out
-
-
-def _prompts(family, lengths, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, VOCAB[family], (n,), generator=g).tolist() for n in lengths]
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -8,12 +8,8 @@ import torch
 import specgraph
 import specgraph.runtime.engine as engine_module
 from specgraph.runtime import rejection
-from models import VOCAB, make_family, tiny_llama
-
-
-def _prompts(family, lengths, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, VOCAB[family], (n,), generator=g).tolist() for n in lengths]
+from models import make_family, tiny_llama
+from models import random_prompts as _prompts
 
 
 def _repetitive(family, n=4):

@@ -10,11 +10,12 @@ from .base import Draft, DraftRequest, Proposer
 if TYPE_CHECKING:
     from ..engine import Engine
 
-SPECS = ("ngram", "ngram:N", "layer_skip:K", "an nn.Module draft model with the target's vocabulary")
+SPECS = ("ngram", "ngram:N", "layer_skip:K", "an nn.Module draft model with the target's vocabulary",
+         "an object implementing Proposer")
 
 
 def make_proposer(draft, engine: "Engine") -> Proposer:
-    """``"ngram"``, ``"ngram:N"``, ``"layer_skip:K"`` or a draft ``nn.Module`` -> a proposer."""
+    """``"ngram"``, ``"ngram:N"``, ``"layer_skip:K"``, a draft ``nn.Module`` or a ready proposer -> a proposer."""
     from ...compiler.options import BackendOptions
     from ...compiler.program import compile_decoder
     from .model import ModelProposer, first_layers
@@ -28,6 +29,8 @@ def make_proposer(draft, engine: "Engine") -> Proposer:
                              f"{engine.program.vocab_size}; speculative decoding needs the same tokenizer")
         cache = program.new_kv_cache(engine.num_blocks, device=engine.device)
         return ModelProposer("draft_model", program, cache, engine.kv, engine.page_size, shares_target_cache=False)
+    if isinstance(draft, Proposer):
+        return draft
     if not isinstance(draft, str):
         raise ValueError(f"draft={draft!r} is not supported; valid: {', '.join(SPECS)}")
     kind, _, arg = draft.partition(":")
