@@ -17,7 +17,7 @@ from ..compiler.program import AttentionMetadata, DecoderProgram, compile_decode
 from .kv_manager import KVCacheManager
 from .proposers.base import Draft, DraftRequest
 from .rejection import verify_greedy, verify_sampling
-from .sampling import SamplingParams, probabilities, sample
+from .sampling import SamplingParams, probabilities, sample, token_logprobs
 from .scheduler import Request, ScheduledChunk, Scheduler
 
 
@@ -130,17 +130,25 @@ class Engine:
 
     def submit(self, prompt, max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
                top_k: int = 0, seed: int = 0, stop: Sequence[str] | None = None, n: int = 1,
-               ignore_eos: bool = False, on_token: Callable[[int], None] | None = None) -> list[Request]:
+               ignore_eos: bool = False, logprobs: int | None = None, num_draft_tokens: int | None = None,
+               on_token: Callable[[int], None] | None = None) -> list[Request]:
         """Queue one prompt (``n`` samples) without running it; :meth:`step` advances every request.
 
         Returns the ``n`` requests; ``request.finished`` tells when one is done and
         :meth:`result` gives its output. ``on_token(token_id)`` streams each sample's tokens.
+        ``logprobs=K`` records ``(log p(token), top-K (token, log p))`` of each new token in
+        ``request.output_logprobs`` (the model's distribution, before temperature).
+        ``num_draft_tokens`` caps this request's drafts per step below the engine's (0: no speculation).
         A request that can never fit the KV pool is refused here (``ValueError`` with the numbers).
         """
         (ids,) = self._encode_prompts([prompt])
         requests = self._new_requests(ids, max_new_tokens, temperature, top_p, top_k, seed, stop, n, ignore_eos)
+        if logprobs is not None and logprobs < 0:
+            raise ValueError(f"logprobs must be >= 0; got {logprobs}")
+        if num_draft_tokens is not None and num_draft_tokens < 0:
+            raise ValueError(f"num_draft_tokens must be >= 0; got {num_draft_tokens}")
         for r in requests:
-            r.on_token = on_token
+            r.on_token, r.logprobs, r.num_draft_tokens = on_token, logprobs, num_draft_tokens
             self.scheduler.add(r)
         return requests
 
@@ -299,7 +307,9 @@ class Engine:
             r = c.request
             if c.num_tokens != 1 or not c.wants_logits:
                 continue  # prefill chunk
-            k = min(self.num_draft_tokens, r.max_new_tokens - len(r.output_ids) - 1)
+            cap = self.num_draft_tokens if r.num_draft_tokens is None else min(r.num_draft_tokens,
+                                                                                self.num_draft_tokens)
+            k = min(cap, r.max_new_tokens - len(r.output_ids) - 1)
             if k <= 0:
                 continue
             copies = self.kv.allocate(r.request_id, k)
@@ -345,8 +355,9 @@ class Engine:
                 row += len(rows)
                 continue
             r.num_computed = c.start + c.num_tokens
+            token_logits = logits[row:row + len(rows)]  # row i: the distribution of new token i
             if rows and rid in drafts:
-                new_tokens = self._verify(r, drafts[rid], logits[row:row + len(rows)])
+                new_tokens = self._verify(r, drafts[rid], token_logits)
                 # cached now: the last token + the accepted drafts (the final token is not yet fed)
                 r.num_computed = c.start + len(new_tokens)
                 self.kv.truncate(rid, r.num_computed)
@@ -355,8 +366,8 @@ class Engine:
             else:
                 new_tokens = []
             row += len(rows)
-            for token in new_tokens:
-                self._emit(r, token)
+            for token, token_row in zip(new_tokens, token_logits):
+                self._emit(r, token, token_row)
                 if r.finished:
                     finished.append(r)
                     break
@@ -382,8 +393,10 @@ class Engine:
         s["verify_emitted"] += len(tokens)
         return tokens
 
-    def _emit(self, r: Request, token: int) -> None:
+    def _emit(self, r: Request, token: int, logits: torch.Tensor) -> None:
         r.output_ids.append(token)
+        if r.logprobs is not None:
+            r.output_logprobs.append(token_logprobs(logits, token, r.logprobs))
         if r.first_token_time is None:
             r.first_token_time = time.perf_counter() - r.arrival_time
         reason = self._finish_reason(r)

@@ -52,3 +52,11 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     if params.greedy:
         return int(torch.argmax(logits))
     return int(torch.multinomial(probabilities(logits, params), 1, generator=generator))
+
+
+def token_logprobs(logits: torch.Tensor, token: int, top: int) -> tuple[float, list[tuple[int, float]]]:
+    """``log p(token)`` under the model's own distribution (softmax of the raw logits, before
+    temperature or truncation) and the ``top`` most likely tokens with theirs."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    values, ids = logp.topk(min(top, logp.numel()))
+    return float(logp[token]), list(zip(ids.tolist(), values.tolist()))
