@@ -1,4 +1,8 @@
-"""``specgraph`` command line: generate (streaming), dump (inspection artifacts), bench."""
+"""``specgraph`` command line: generate (streaming), chat (interactive), serve (OpenAI-compatible
+HTTP), dump (inspection artifacts), bench.
+
+Bad arguments print one line (``specgraph: error: ...``) and exit with status 2.
+"""
 from __future__ import annotations
 
 import argparse
@@ -6,47 +10,148 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+class UsageError(Exception):
+    """A bad argument or model name: one line on stderr, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # argparse prints usage + message; one line is enough
+        raise UsageError(f"{self.prog}: {message}")
 
 
 def _load(args):
     from .loader import load_model
 
-    return load_model(args.model)
+    try:
+        return load_model(args.model)
+    except (ValueError, ModuleNotFoundError) as e:
+        raise UsageError(str(e)) from e
 
 
-def _chat(tokenizer, text: str) -> str:
-    return tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                         add_generation_prompt=True)
+def _with_elapsed(what: str, fn):
+    """Run ``fn()`` while stderr shows how long it has taken (compiling has no finer progress)."""
+    done = threading.Event()
+    t0 = time.perf_counter()
+    tty = sys.stderr.isatty()
+
+    def tick():
+        while not done.wait(1.0):
+            if tty:
+                sys.stderr.write(f"\r{what} ... {time.perf_counter() - t0:.0f} s")
+                sys.stderr.flush()
+
+    sys.stderr.write(f"{what} (capture + passes, about 20-50 s on 2 cores; there is no compile cache yet) ...")
+    sys.stderr.flush()
+    ticker = threading.Thread(target=tick, daemon=True)
+    ticker.start()
+    try:
+        return fn()
+    finally:
+        done.set()
+        sys.stderr.write(f"\r{what}: done in {time.perf_counter() - t0:.1f} s" + " " * 20 + "\n")
 
 
-def cmd_generate(args) -> int:
+def _engine(args, model, tokenizer):
     import torch
 
     from .engine import Engine
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    model, tokenizer = _load(args)
-    print(f"compiling {args.model} (first run captures and runs the passes, ~30 s) ...", file=sys.stderr)
-    engine = Engine(model, tokenizer=tokenizer, kv_dtype=args.kv_dtype, page_size=args.page_size,
-                    dump_dir=args.dump_dir)
-    prompt = args.prompt if args.raw else _chat(tokenizer, args.prompt)
-    emitted = []
+    kwargs = dict(kv_dtype=args.kv_dtype, page_size=args.page_size, prefix_caching=args.prefix_caching,
+                  max_num_seqs=args.max_num_seqs, dump_dir=getattr(args, "dump_dir", None), draft=args.draft,
+                  num_draft_tokens=args.num_draft_tokens)
+    if args.num_blocks:
+        kwargs["num_blocks"] = args.num_blocks
+    try:
+        return _with_elapsed(f"compiling {args.model}", lambda: Engine(model, tokenizer=tokenizer, **kwargs))
+    except ValueError as e:
+        raise UsageError(str(e)) from e
 
-    def stream(_, token):
-        emitted.append(token)
-        text = tokenizer.decode(emitted, skip_special_tokens=True)
-        prev = tokenizer.decode(emitted[:-1], skip_special_tokens=True)
-        sys.stdout.write(text[len(prev):])
+
+def _chat_template(tokenizer, messages) -> str:
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+class _TextStream:
+    """Prints the text of a growing token list as it grows (handles multi-token characters)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.tokens, self.shown = tokenizer, [], 0
+
+    def __call__(self, token: int) -> None:
+        self.tokens.append(token)
+        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        end = len(text) - (text.endswith("\ufffd"))
+        sys.stdout.write(text[self.shown:end])
         sys.stdout.flush()
+        self.shown = max(self.shown, end)
 
-    engine.generate(prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                    top_k=args.top_k, seed=args.seed, on_token=stream)
-    print()
+
+def _print_stats(engine) -> None:
     stats = engine.stats
     print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in stats.items()}, indent=1),
           file=sys.stderr)
+
+
+def cmd_generate(args) -> int:
+    model, tokenizer = _load(args)
+    engine = _engine(args, model, tokenizer)
+    prompt = args.prompt if args.raw else _chat_template(tokenizer, [{"role": "user", "content": args.prompt}])
+    stream = _TextStream(tokenizer)
+    engine.generate(prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                    top_k=args.top_k, seed=args.seed, on_token=lambda _, token: stream(token))
+    print()
+    _print_stats(engine)
+    return 0
+
+
+def cmd_chat(args) -> int:
+    """Multi-turn chat: each turn's prompt is the whole conversation, so the prefix cache serves
+    the earlier turns' blocks and only the new message is prefilled."""
+    model, tokenizer = _load(args)
+    engine = _engine(args, model, tokenizer)
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    print("chat with the model; an empty line or Ctrl-D ends", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            break
+        if not line.strip():
+            break
+        messages.append({"role": "user", "content": line})
+        stream = _TextStream(tokenizer)
+        result = engine.generate(_chat_template(tokenizer, messages), max_new_tokens=args.max_new_tokens,
+                                 temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                                 on_token=lambda _, token: stream(token))[0]
+        print()
+        s = engine.stats
+        print(f"[{len(result.token_ids)} tokens, {s['tokens_per_second']:.1f} tok/s, "
+              f"{result.cached_tokens}/{result.prompt_tokens} prompt tokens from the prefix cache]", file=sys.stderr)
+        messages.append({"role": "assistant", "content": result.text})
+    return 0
+
+
+def cmd_serve(args) -> int:
+    try:
+        import uvicorn
+
+        from .server import build_app
+    except ModuleNotFoundError as e:
+        raise UsageError(f"serving needs FastAPI and uvicorn ({e}); pip install fastapi uvicorn prometheus-client")
+    model, tokenizer = _load(args)
+    engine = _engine(args, model, tokenizer)
+    name = args.served_model_name or args.model
+    app = build_app(engine, model_name=name, max_pending=args.max_pending)
+    print(f"serving {name} on http://{args.host}:{args.port}/v1 (Ctrl-C stops)", file=sys.stderr)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
 
 
@@ -70,27 +175,64 @@ def cmd_bench(args) -> int:
     return subprocess.call([sys.executable, script, *args.rest])
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="specgraph", description=__doc__)
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1; got {value}")
+    return value
+
+
+def _engine_options(p: argparse.ArgumentParser) -> None:
+    from ..compiler.options import KV_DTYPES, PAGE_SIZES
+
+    p.add_argument("--model", default=DEFAULT_MODEL, help="model name, .gguf file or HF folder")
+    p.add_argument("--kv-dtype", default="auto", choices=KV_DTYPES)
+    p.add_argument("--page-size", type=int, default=16, choices=PAGE_SIZES)
+    p.add_argument("--draft", default=None, help="speculative decoding: ngram, ngram:N or layer_skip:K")
+    p.add_argument("--num-draft-tokens", type=_positive, default=4)
+    p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false")
+    p.add_argument("--num-blocks", type=_positive, default=None, help="KV pool blocks (default: 256 MiB)")
+    p.add_argument("--max-num-seqs", type=_positive, default=8)
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+
+
+def _sampling_options(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
+    p.add_argument("--max-new-tokens", type=_positive, default=max_new_tokens)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="specgraph", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate text with the embedded SmolLM2 (or --model)")
     gen.add_argument("prompt")
-    gen.add_argument("--model", default="smollm2-135m-instruct", help="model name, .gguf file or HF folder")
-    gen.add_argument("--max-new-tokens", type=int, default=128)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--seed", type=int, default=0)
-    gen.add_argument("--kv-dtype", default="auto")
-    gen.add_argument("--page-size", type=int, default=16)
-    gen.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    _engine_options(gen)
+    _sampling_options(gen, 128)
     gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
     gen.add_argument("--dump-dir", default=None)
     gen.set_defaults(fn=cmd_generate)
 
+    chat = sub.add_parser("chat", help="interactive multi-turn chat (streaming, prefix cache across turns)")
+    _engine_options(chat)
+    _sampling_options(chat, 256)
+    chat.add_argument("--system", default=None, help="system prompt")
+    chat.set_defaults(fn=cmd_chat)
+
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
+    _engine_options(serve)
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--served-model-name", default=None, help="the name clients pass as model (default --model)")
+    serve.add_argument("--max-pending", type=_positive, default=256, help="queued + running requests before 429")
+    serve.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    serve.set_defaults(fn=cmd_serve)
+
     dump = sub.add_parser("dump", help="write every graph, the pass log and kernels to a folder")
-    dump.add_argument("--model", default="smollm2-135m-instruct")
+    dump.add_argument("--model", default=DEFAULT_MODEL)
     dump.add_argument("--dump-dir", default="specgraph_dump")
     dump.add_argument("--page-size", type=int, default=16)
     dump.add_argument("--mlir", action="store_true")
@@ -99,9 +241,16 @@ def main(argv: list[str] | None = None) -> int:
     bench = sub.add_parser("bench", help="run benchmarks/bench_decode.py (arguments pass through)")
     bench.add_argument("rest", nargs=argparse.REMAINDER)
     bench.set_defaults(fn=cmd_bench)
+    return parser
 
-    args = parser.parse_args(argv)
-    return args.fn(args)
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        return args.fn(args)
+    except UsageError as e:
+        print(f"specgraph: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
