@@ -239,3 +239,20 @@ def load_average() -> str:
         return " ".join(f"{x:.2f}" for x in os.getloadavg())
     except OSError:
         return "n/a"
+
+
+def cpu_description() -> str:
+    """``lscpu``'s model name and the SIMD flags that decide CPU kernels (printed with every result)."""
+    model, flags = "unknown CPU", set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and model == "unknown CPU":
+                    model = value.strip()
+                elif key.strip() == "flags" and not flags:
+                    flags = set(value.split())
+    except OSError:
+        pass
+    wanted = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_bf16", "amx_int8")
+    return f"{model}; {os.cpu_count()} CPUs; flags: {' '.join(f for f in wanted if f in flags) or 'none of ' + '/'.join(wanted)}"

@@ -10,7 +10,6 @@ import os
 os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported (conftest does it too)
 
 import dataclasses
-import math
 
 import pytest
 import torch
