@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import networkx as nx
 import torch
 import torch.fx as fx
+import torch.utils._pytree as pytree
 
 aten = torch.ops.aten
 
@@ -72,6 +73,7 @@ class GraphAnalysis:
     logits: fx.Node
     vocab_size: int
     sites: list[AttentionSite]
+    logits_index: int = 0  # position of ``logits`` among the graph's flattened outputs
     position_sources: list[fx.Node] = field(default_factory=list)  # aranges over the sequence
 
     def summary(self) -> str:
@@ -329,6 +331,42 @@ def _find_position_sources(graph: fx.Graph, seq_expr) -> list[fx.Node]:
     return found
 
 
+def output_nodes(graph: fx.Graph) -> list:
+    """The graph's outputs, flattened in order (tuples, lists and dicts of outputs; None kept)."""
+    out = next(n for n in graph.nodes if n.op == "output").args[0]
+    return list(pytree.tree_leaves(out, is_leaf=lambda x: x is None))
+
+
+def find_logits(graph: fx.Graph, from_ids: set, seq_expr, vocab: int) -> tuple[int, fx.Node]:
+    """The logits output by structure, whatever else the model returns (caches, hidden states).
+
+    The logits are a ``[B, T, V]`` output computed from the token ids whose last dimension is the
+    embedding's vocabulary, or failing that (an LM head padded or cut to another size) the widest
+    such output of a linear layer. K/V caches (``[B, H, T, D]``) and hidden states (``[B, T, D]``
+    with ``D`` the model width, not produced by the last linear) are never chosen over them.
+    """
+    candidates = []
+    for i, node in enumerate(output_nodes(graph)):
+        if not isinstance(node, fx.Node) or node not in from_ids:
+            continue
+        shape = _shape(node)
+        if len(shape) != 3 or not isinstance(shape[-1], int):
+            continue
+        if seq_expr is not None and _expr(shape[1]) != seq_expr:
+            continue
+        is_head = node.op == "call_function" and node.target in (aten.linear.default, aten.mm.default,
+                                                                  aten.matmul.default)
+        candidates.append((shape[-1] == vocab, is_head, shape[-1], -i, i, node))
+    if not candidates:
+        raise UnsupportedAttentionError("no output of the graph looks like logits: expected a [batch, tokens, "
+                                        f"vocab] tensor computed from the token ids (vocabulary {vocab})")
+    best = max(candidates, key=lambda c: c[:4])
+    if not (best[0] or best[1]):
+        raise UnsupportedAttentionError(f"no output of the graph looks like logits (vocabulary {vocab}); the "
+                                        f"widest [batch, tokens, X] output is {best[5].name} with X={best[2]}")
+    return best[4], best[5]
+
+
 def analyze(gm: fx.GraphModule, verify: bool = True) -> GraphAnalysis:
     """Analyze a captured decoder graph (see module docstring)."""
     graph = gm.graph
@@ -345,10 +383,8 @@ def analyze(gm: fx.GraphModule, verify: bool = True) -> GraphAnalysis:
                       and (n.args[1] is input_ids or n.args[1] in from_ids)), None)
     if embedding is None:
         raise UnsupportedAttentionError(f"no aten.embedding reads the token ids {input_ids.name}")
-    output = next(n for n in graph.nodes if n.op == "output")
-    outs = output.args[0]
-    logits = outs[0] if isinstance(outs, (tuple, list)) else outs
     vocab = _static(_shape(embedding.args[0])[0], "vocabulary", embedding)
+    logits_index, logits = find_logits(graph, from_ids, seq_expr, vocab)
     lshape = _shape(logits)
     if lshape[-1] != vocab and isinstance(lshape[-1], int):
         vocab = lshape[-1]
@@ -357,7 +393,7 @@ def analyze(gm: fx.GraphModule, verify: bool = True) -> GraphAnalysis:
         raise UnsupportedAttentionError("no attention found: expected aten.scaled_dot_product_attention or "
                                         "matmul(q, k^T) -> softmax -> matmul(., v)")
     analysis = GraphAnalysis(input_ids=input_ids, seq_len=seq_len, embedding=embedding, logits=logits,
-                             vocab_size=vocab, sites=sites,
+                             vocab_size=vocab, sites=sites, logits_index=logits_index,
                              position_sources=_find_position_sources(graph, seq_expr))
     if verify:
         _verify_sites(gm, analysis)

@@ -21,6 +21,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 import torch.fx as fx
+import torch.utils._pytree as pytree
 
 from .options import BackendOptions
 
@@ -130,8 +131,12 @@ def placeholder_args(gm: fx.GraphModule, values: dict[str, Any]) -> list:
     return [values[n] for n in names]
 
 
-def _first_output(out):
-    return out[0] if isinstance(out, (tuple, list)) else out
+def _logits_output(out, ctx: "PassContext"):
+    """The logits among a graph's outputs (the first output until the analysis has found them)."""
+    if not isinstance(out, (tuple, list, dict)):
+        return out
+    index = ctx.analysis.logits_index if ctx.analysis is not None else 0
+    return pytree.tree_leaves(out, is_leaf=lambda x: x is None)[index]
 
 
 class PassCheckError(AssertionError):
@@ -177,8 +182,8 @@ class PassManager:
     def _check(self, name: str, before: fx.GraphModule, samples_before: dict, after: fx.GraphModule,
                ctx: PassContext, atol: float) -> None:
         with torch.no_grad():
-            ref = _first_output(before(*placeholder_args(before, samples_before)))
-            got = _first_output(after(*placeholder_args(after, ctx.sample_inputs)))
+            ref = _logits_output(before(*placeholder_args(before, samples_before)), ctx)
+            got = _logits_output(after(*placeholder_args(after, ctx.sample_inputs)), ctx)
         if ref.shape != got.shape or not torch.allclose(ref, got, atol=atol, rtol=1e-4):
             diff = (ref - got).abs().max().item() if ref.shape == got.shape else f"shape {ref.shape} vs {got.shape}"
             raise PassCheckError(f"pass {name!r} changed the graph's output (max diff {diff})")

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+import torch.utils._pytree as pytree
 
 from .backend import CompiledGraph, run_capture_pipeline
 from .lowering import lower
@@ -131,13 +132,16 @@ class DecoderProgram:
             for prefix, t in zip(_CACHE_INPUTS, tensors):
                 values[f"{prefix}_{layer}"] = t
         out = self._executable(*[values[name] for name in self._order])
-        logits = out[0] if isinstance(out, (tuple, list)) else out
+        logits = out
+        if isinstance(out, (tuple, list, dict)):  # the model also returns caches, hidden states, ...
+            logits = pytree.tree_leaves(out, is_leaf=lambda x: x is None)[self._logits_index]
         logits = logits.reshape(-1, logits.shape[-1])
         return logits if self.selects_logits else logits.index_select(0, meta.logits_indices)
 
     def __post_init__(self) -> None:
         analysis = self.compiled.context.analysis
         self._ids_name = analysis.input_ids.name
+        self._logits_index = analysis.logits_index
         self._len_name = analysis.seq_len.name if analysis.seq_len is not None else None
         self._order = [n.name for n in self.gm.graph.nodes if n.op == "placeholder"]
         options = self.compiled.context.options
