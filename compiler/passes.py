@@ -61,6 +61,8 @@ class PassContext:
 
     options: BackendOptions
     analysis: Any = None  # compiler.analysis.GraphAnalysis once the "annotate" pass ran
+    cache_free_gm: fx.GraphModule | None = None  # the analysed graph as captured (annotate), for self-checks
+    cache_free_inputs: dict[str, Any] = field(default_factory=dict)  # its sample inputs
     sample_inputs: dict[str, Any] = field(default_factory=dict)
     facts: dict[str, Any] = field(default_factory=dict)
     log: list[PassRecord] = field(default_factory=list)
@@ -116,11 +118,13 @@ def order_passes(builtin: list[GraphPass], user: Iterable[Callable]) -> list[Gra
 
 
 def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
-    """A copy of ``gm`` with its own graph, sharing parameters and buffers."""
+    """A copy of ``gm`` with its own graph, sharing parameters, buffers and module meta (fake mode)."""
     graph = fx.Graph()
     out = graph.graph_copy(gm.graph, {})
     graph.output(out)
-    return fx.GraphModule(gm, graph, class_name=type(gm).__name__)
+    copy = fx.GraphModule(gm, graph, class_name=type(gm).__name__)
+    copy.meta.update(gm.meta)
+    return copy
 
 
 def placeholder_args(gm: fx.GraphModule, values: dict[str, Any]) -> list:

@@ -8,10 +8,11 @@ from __future__ import annotations
 import torch.fx as fx
 
 from ..compiler.passes import PassContext, PassResult
+from .graph_utils import remove_dead_code
 
 
 def cleanup(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     before = len(gm.graph.nodes)
-    gm.graph.eliminate_dead_code()
+    remove_dead_code(gm.graph)
     removed = before - len(gm.graph.nodes)
     return PassResult(modified=removed > 0, matched=removed)

@@ -68,3 +68,12 @@ def refresh_meta(gm: fx.GraphModule) -> None:
     mode = gm.meta["fake_mode"]
     with mode, torch.no_grad():
         _FakeProp(gm, mode).run()
+
+
+def remove_dead_code(graph: fx.Graph) -> bool:
+    """Erase nodes nothing uses, keeping ops that mutate (the cache writes).
+
+    Random ops are pure here: FX's own default treats them (SDPA, with its dropout argument) as
+    impure outside a Dynamo tracing context, which made the result depend on where a pass ran.
+    """
+    return graph.eliminate_dead_code(is_impure_node=lambda n: n.is_impure(impure_random=False))

@@ -24,7 +24,7 @@ import torch.fx as fx
 from .. import kernels  # noqa: F401  (registers the specgraph:: ops)
 from ..compiler.passes import PassContext, PassResult
 from ..kernels import contiguous  # noqa: F401
-from .graph_utils import add_input, fake_like, find_input, refresh_meta
+from .graph_utils import add_input, fake_like, find_input, refresh_meta, remove_dead_code
 
 aten = torch.ops.aten
 specgraph = torch.ops.specgraph
@@ -71,8 +71,8 @@ def kv_cache(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             o = g.call_function(aten.unsqueeze.default, (o, 0))
             o = g.call_function(aten.transpose.int, (o, 1, 2))
         site.output.replace_all_uses_with(o)
-        site.output.meta["replaced_by"] = o
-    g.eliminate_dead_code()
+        o.meta["attention_site"] = site.layer  # the self-check compares it with the cache-free graph's
+    remove_dead_code(g)
     ctx.facts["kv_caches"] = caches
     if "positions" in ctx.sample_inputs:
         ctx.sample_inputs.update(

@@ -21,6 +21,7 @@ import torch
 import torch.fx as fx
 
 from ..compiler.passes import PassContext, PassResult
+from .graph_utils import remove_dead_code
 
 aten = torch.ops.aten
 INT_MAX = 2**63 - 1
@@ -90,5 +91,5 @@ def normalize(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     for node in list(gm.graph.nodes):
         if node.op == "call_function" and node.target == aten.detach_.default and not node.users:
             gm.graph.erase_node(node)
-    gm.graph.eliminate_dead_code()
+    remove_dead_code(gm.graph)
     return PassResult(modified=removed > 0, matched=removed)
