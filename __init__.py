@@ -12,9 +12,11 @@ from specgraph.compiler.backend import backend, register, specgraph_backend
 from specgraph.compiler.options import BackendOptions
 from specgraph.compiler.passes import GraphPass, PassContext, PassResult, graph_pass
 from specgraph.compiler.pattern import rewrite
+from specgraph.compiler.analysis import UnsupportedAttentionError, UnsupportedModelError
 
 __all__ = ["backend", "register", "specgraph_backend", "BackendOptions", "GraphPass", "PassContext",
-           "PassResult", "graph_pass", "rewrite", "load_model", "Engine"]
+           "PassResult", "graph_pass", "rewrite", "load_model", "Engine", "UnsupportedAttentionError",
+           "UnsupportedModelError"]
 
 
 def __getattr__(name):  # heavy runtime pieces load on first use

@@ -36,6 +36,11 @@ class UnsupportedAttentionError(ValueError):
     """An attention pattern the KV-cache passes cannot rewrite."""
 
 
+class UnsupportedModelError(ValueError):
+    """The compiled program does not reproduce the model (the compile-time self-check): specgraph
+    refuses it rather than answer wrongly."""
+
+
 @dataclass
 class AttentionSite:
     """One attention computation (one per layer in a decoder).
@@ -217,7 +222,9 @@ def _find_input_ids(graph: fx.Graph) -> fx.Node:
     raise UnsupportedAttentionError("the graph has no integer token-id input (expected input_ids [B, T])")
 
 
-def _sample_inputs(gm: fx.GraphModule, input_ids: fx.Node, seq_len_expr, vocab: int, length: int) -> list:
+def sample_inputs(gm: fx.GraphModule, input_ids: fx.Node, seq_len_expr, vocab: int, length: int,
+                   ids: torch.Tensor | None = None) -> list:
+    """Placeholder values for a run over ``length`` tokens (``ids [1, length]``, else random ids)."""
     values = []
     gen = torch.Generator().manual_seed(0)
     for node in gm.graph.nodes:
@@ -232,7 +239,7 @@ def _sample_inputs(gm: fx.GraphModule, input_ids: fx.Node, seq_len_expr, vocab: 
             if node is not input_ids and isinstance(example, torch.Tensor) and list(example.shape) == shape:
                 values.append(example)  # scalars Dynamo lifted to inputs keep their real value
             elif node is input_ids:
-                values.append(torch.randint(0, vocab, shape, generator=gen))
+                values.append(ids if ids is not None else torch.randint(0, vocab, shape, generator=gen))
             else:
                 values.append(torch.randn(shape, generator=gen).to(val.dtype))
         else:
@@ -240,7 +247,9 @@ def _sample_inputs(gm: fx.GraphModule, input_ids: fx.Node, seq_len_expr, vocab: 
     return values
 
 
-class _Recorder(fx.Interpreter):
+class Recorder(fx.Interpreter):
+    """Runs a graph and keeps the values of the ``wanted`` nodes."""
+
     def __init__(self, gm, wanted):
         super().__init__(gm)
         self.wanted, self.values = wanted, {}
@@ -271,11 +280,11 @@ def _verify_sites(gm: fx.GraphModule, analysis: GraphAnalysis, length: int = 6) 
             wanted.add(s.mask)
         for operand in _operands(s):
             wanted.add(operand)
-    rec = _Recorder(gm, wanted)
+    rec = Recorder(gm, wanted)
     seq_expr = _expr(analysis.seq_len) if analysis.seq_len is not None else None
     T = length if seq_expr is not None else _shape(analysis.input_ids)[1]
     with torch.no_grad():
-        rec.run(*_sample_inputs(gm, analysis.input_ids, seq_expr, analysis.vocab_size, T))
+        rec.run(*sample_inputs(gm, analysis.input_ids, seq_expr, analysis.vocab_size, T))
     causal = torch.tril(torch.ones(T, T, dtype=torch.bool))
     for s in sites:
         if s.mask is not None:

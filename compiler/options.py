@@ -38,6 +38,11 @@ class BackendOptions:
         inputs and fail if the outputs differ (slow; for pass authors and tests).
     mlir:
         Also dump the captured graph as MLIR through torch-mlir (needs the ``mlir`` extra).
+    self_check:
+        After compiling a decoder program, run it incrementally on random ids and compare with the
+        cache-free graph (:mod:`specgraph.compiler.self_check`); a mismatch raises
+        ``UnsupportedModelError`` instead of letting the engine answer wrongly. Costs a few
+        forwards. (The backend's own cache-free graph needs no such check.)
     prepack_weights:
         On CPU, run float32 linears as oneDNN linears over weights reordered once at compile
         time (faster few-row GEMMs; one extra copy of those weights). ``False`` keeps
@@ -51,6 +56,7 @@ class BackendOptions:
     check: str = "off"
     mlir: bool = False
     prepack_weights: bool = True
+    self_check: bool = True
 
     def __post_init__(self) -> None:
         if self.kv_dtype not in KV_DTYPES:

@@ -95,6 +95,7 @@ class DecoderProgram:
     page_size: int
     selects_logits: bool
     static_inputs: dict[str, Any] = field(default_factory=dict)  # lifted scalars, fixed at capture
+    self_check_seconds: float | None = None  # time the compile-time self-check took (None: not run)
 
     @property
     def gm(self) -> fx.GraphModule:
@@ -113,9 +114,9 @@ class DecoderProgram:
         plus ``(k_scale, v_scale)`` for a quantized cache."""
         return [s.allocate(num_blocks, self.page_size, device) for s in self.layers]
 
-    def __call__(self, input_ids: torch.Tensor, meta: AttentionMetadata,
-                 kv_cache: list[tuple[torch.Tensor, ...]]) -> torch.Tensor:
-        """Run the stream. ``input_ids [N]`` -> logits ``[M, vocab]`` for ``meta.logits_indices``."""
+    def graph_inputs(self, input_ids: torch.Tensor, meta: AttentionMetadata,
+                     kv_cache: list[tuple[torch.Tensor, ...]]) -> list:
+        """The graph's placeholder values for one call, in order."""
         n = input_ids.numel()
         if meta.positions.numel() != n or meta.slot_mapping.numel() != n:
             raise ValueError(f"metadata describes {meta.positions.numel()} tokens, the stream has {n}")
@@ -131,12 +132,20 @@ class DecoderProgram:
         for layer, tensors in enumerate(kv_cache):
             for prefix, t in zip(_CACHE_INPUTS, tensors):
                 values[f"{prefix}_{layer}"] = t
-        out = self._executable(*[values[name] for name in self._order])
+        return [values[name] for name in self._order]
+
+    def logits_of(self, out, meta: AttentionMetadata) -> torch.Tensor:
+        """``[M, vocab]`` logits of the rows ``meta.logits_indices`` from the graph's raw output."""
         logits = out
         if isinstance(out, (tuple, list, dict)):  # the model also returns caches, hidden states, ...
             logits = pytree.tree_leaves(out, is_leaf=lambda x: x is None)[self._logits_index]
         logits = logits.reshape(-1, logits.shape[-1])
         return logits if self.selects_logits else logits.index_select(0, meta.logits_indices)
+
+    def __call__(self, input_ids: torch.Tensor, meta: AttentionMetadata,
+                 kv_cache: list[tuple[torch.Tensor, ...]]) -> torch.Tensor:
+        """Run the stream. ``input_ids [N]`` -> logits ``[M, vocab]`` for ``meta.logits_indices``."""
+        return self.logits_of(self._executable(*self.graph_inputs(input_ids, meta, kv_cache)), meta)
 
     def __post_init__(self) -> None:
         analysis = self.compiled.context.analysis
@@ -177,7 +186,15 @@ def compile_decoder(model: torch.nn.Module, options: BackendOptions | None = Non
     if "compiled" not in result:
         raise RuntimeError("Dynamo did not call the specgraph backend (the forward may already be compiled elsewhere "
                            "with a cache-size limit hit); call torch._dynamo.reset() and retry")
-    compiled = result["compiled"]
+    program = _program(result["compiled"], options)
+    if options.self_check:
+        from .self_check import self_check
+
+        program.self_check_seconds = self_check(program, options.kv_dtype)
+    return program
+
+
+def _program(compiled: CompiledGraph, options: BackendOptions) -> DecoderProgram:
     ctx = compiled.context
     analysis = ctx.analysis
     scheme = ctx.facts.get("kv_scheme")

@@ -3,7 +3,9 @@
 Invariant: the graph is not changed. Afterwards ``ctx.analysis`` holds the
 :class:`~specgraph.compiler.analysis.GraphAnalysis` (attention sites, positions, embedding,
 logits) and every node's ``meta["sym_shape"]`` holds its shape as sympy expressions
-(``(1, s0, 576)``), so later passes and the dumps reason about sizes without guarding on them.
+(``(1, s0, 576)``), so later passes and the dumps reason about sizes without guarding on them. ``ctx.cache_free_gm``
+keeps a copy of the graph as analysed (weights shared), with attention outputs tagged
+``meta["attention_site"]``: the reference of the compile-time self-check.
 """
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import torch
 import torch.fx as fx
 
 from ..compiler.analysis import analyze
-from ..compiler.passes import PassContext, PassResult
+from ..compiler.passes import PassContext, PassResult, copy_graph_module
 
 
 def _sym(d):
@@ -29,4 +31,6 @@ def annotate(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     sites = ctx.analysis.sites
     for site in sites:
         site.output.meta["attention_site"] = site.layer
+    ctx.cache_free_gm = copy_graph_module(gm)  # the reference the compile-time self-check runs
+    ctx.cache_free_inputs = dict(ctx.sample_inputs)
     return PassResult(modified=False, matched=len(sites), info={"attention_sites": len(sites)})

@@ -60,14 +60,17 @@ class Engine:
         ``nn.Module`` with the same vocabulary, or any object implementing
         :class:`~specgraph.runtime.proposers.Proposer`; None disables speculation.
     num_draft_tokens: k, the drafts verified per target forward.
+    self_check: after compiling, compare the incremental program with the cache-free model on random
+        ids and raise ``UnsupportedModelError`` on a mismatch (see ``specgraph.compiler.self_check``).
     """
 
     def __init__(self, model: torch.nn.Module, tokenizer=None, *, kv_dtype: str = "auto", page_size: int = 16,
                  prefix_caching: bool = True, kv_cache_memory: int = 256 << 20, num_blocks: int | None = None,
                  max_num_seqs: int = 8, max_tokens_per_step: int = 512, passes: Sequence = (),
-                 dump_dir: str | None = None, draft=None, num_draft_tokens: int = 4):
+                 dump_dir: str | None = None, draft=None, num_draft_tokens: int = 4, self_check: bool = True):
         self.model, self.tokenizer = model, tokenizer
-        options = BackendOptions(kv_dtype=kv_dtype, page_size=page_size, passes=tuple(passes), dump_dir=dump_dir)
+        options = BackendOptions(kv_dtype=kv_dtype, page_size=page_size, passes=tuple(passes), dump_dir=dump_dir,
+                                 self_check=self_check)
         t0 = time.perf_counter()
         self.program: DecoderProgram = compile_decoder(model, options)
         self.compile_seconds = time.perf_counter() - t0

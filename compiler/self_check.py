@@ -1,0 +1,186 @@
+"""Compile-time self-check: the incremental program must compute what the cache-free graph computes.
+
+The analysis proves what it recognises (causal masks, GQA layouts) from the graph's structure
+and one sample run. Anything it cannot see (a mask that only differs from causal at longer
+lengths, positions derived in an unexpected way, a pass bug) would make the transformed program
+silently wrong. So after compiling, :func:`self_check` runs the program the way the engine does,
+on random token ids: two sequences in one stream, a prefill chunk, a second chunk, decode steps
+and a multi-token verify, through a paged cache with the sequences' blocks interleaved. After every
+step it compares the logits with the cache-free graph (as captured, before any cache pass) run on
+each sequence's whole prefix. On a mismatch it re-runs both with the attention outputs recorded
+and raises :class:`UnsupportedModelError` naming the first attention site whose values differ.
+
+Tolerances: float32 caches must agree to float rounding, 16-bit caches to their precision. fp8
+and int4 caches are lossy by design, and their noise can hide a subtle pattern error (a window of 8
+changes a tiny model's logits by about 2%; int4 by up to 4%). So a program with a quantized cache
+is checked twice: its structure through a float twin (the same cache-free graph through the same
+passes with a float cache, no weight prepacking), exactly; and the quantized program itself with
+a tolerance that catches quantization bugs.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+
+from .analysis import Recorder, UnsupportedModelError, output_nodes, sample_inputs
+from .program import AttentionMetadata, DecoderProgram
+
+#: relative tolerance (of the reference's largest logit) by KV-cache storage. The quantized ones
+#: only catch gross quantization bugs (their structure is checked exactly through the float twin):
+#: on random ids SmolLM2's fp8 cache moves the logits by up to ~7% of the largest one.
+_TOLERANCE = {"float32": 2e-3, "bfloat16": 1e-2, "float16": 5e-3, "fp8": 0.3, "int4": 0.5}
+_QUANTIZED = ("fp8", "int4")
+_TWIN_SKIPS = {"select_logits", "fuse_linears"}
+
+
+@dataclass
+class _Step:
+    kind: str
+    chunks: list[tuple[int, int]]  # per sequence: (start position, new tokens)
+
+
+# two sequences: chunked prefill, decodes, and a verify of several tokens at once
+_SCHEDULE = [_Step("prefill chunk", [(0, 13), (0, 9)]), _Step("second prefill chunk", [(13, 6), (9, 1)]),
+             _Step("decode", [(19, 1), (10, 1)]), _Step("decode", [(20, 1), (11, 1)]),
+             _Step("multi-token verify", [(21, 5), (12, 3)]), _Step("decode", [(26, 1), (15, 1)])]
+_LENGTHS = (27, 16)
+
+
+def _tolerance(program: DecoderProgram, kv_dtype: str) -> float:
+    if kv_dtype == "auto":
+        kv_dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(
+            program.layers[0].dtype, "float32")
+    return _TOLERANCE.get(kv_dtype, 2e-3)
+
+
+class _Reference:
+    """The cache-free graph, run on a whole sequence."""
+
+    def __init__(self, gm: fx.GraphModule, analysis):
+        self.gm, self.analysis = gm, analysis
+        self.ids_node = next(n for n in gm.graph.nodes if n.op == "placeholder" and n.name == analysis.input_ids.name)
+        self.sites = {n.meta["attention_site"]: n for n in gm.graph.nodes if "attention_site" in n.meta}
+        out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+        structured = isinstance(out, (tuple, list, dict))
+        self.logits_position = analysis.logits_index if structured else 0
+        self.logits_node = output_nodes(gm.graph)[analysis.logits_index] if structured else out
+
+    def run(self, ids: list[int], record_sites: bool = False) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        args = sample_inputs(self.gm, self.ids_node, None, self.analysis.vocab_size, len(ids),
+                             ids=torch.tensor([ids]))
+        with torch.no_grad():
+            if not record_sites:
+                out = self.gm(*args)
+                leaves = pytree.tree_leaves(out, is_leaf=lambda x: x is None) if isinstance(out, (tuple, list, dict)) \
+                    else [out]
+                return leaves[self.logits_position].reshape(len(ids), -1).float(), {}
+            rec = Recorder(self.gm, {self.logits_node} | set(self.sites.values()))
+            rec.run(*args)
+        logits = rec.values[self.logits_node].reshape(len(ids), -1).float()
+        return logits, {layer: rec.values[n] for layer, n in self.sites.items()}
+
+
+def self_check(program: DecoderProgram, kv_dtype: str = "auto", seed: int = 0) -> float:
+    """Raise :class:`UnsupportedModelError` if the program disagrees with the cache-free graph.
+
+    Returns the seconds the check took (the float twin's compile included).
+    """
+    t0 = time.perf_counter()
+    if kv_dtype in _QUANTIZED:
+        _check(float_twin(program), "auto", seed)
+    _check(program, kv_dtype, seed)
+    return time.perf_counter() - t0
+
+
+def float_twin(program: DecoderProgram) -> DecoderProgram:
+    """The program's cache-free graph through the same passes with a float cache (see the module doc)."""
+    from .backend import CompiledGraph
+    from .passes import PassContext, PassManager, copy_graph_module, order_passes
+    from .pipeline import decoder_passes
+    from .program import _program
+
+    ctx = program.compiled.context
+    options = dataclasses.replace(ctx.options, kv_dtype="auto", self_check=False, prepack_weights=False,
+                                  dump_dir=None, check="off")
+    ordered = order_passes(decoder_passes(), options.passes)
+    names = [p.name for p in ordered]
+    # annotate again (it does not change the graph) for a fresh analysis, then what followed it,
+    # less the pure speed-ups (their invariants have tests of their own; they cost most of the time)
+    passes = [p for p in ordered[names.index("annotate"):] if p.name not in _TWIN_SKIPS]
+    twin_ctx = PassContext(options=options, sample_inputs=dict(ctx.cache_free_inputs))
+    gm = PassManager(passes).run(copy_graph_module(ctx.cache_free_gm), twin_ctx)
+    return _program(CompiledGraph(program.compiled.captured, gm, twin_ctx, 0.0), options)
+
+
+def _check(program: DecoderProgram, kv_dtype: str, seed: int) -> None:
+    ctx = program.compiled.context
+    if ctx.cache_free_gm is None:
+        raise RuntimeError("self_check needs the cache-free graph the annotate pass keeps")
+    reference = _Reference(ctx.cache_free_gm, ctx.analysis)
+    page, vocab = program.page_size, program.vocab_size
+    gen = torch.Generator().manual_seed(seed)
+    seqs = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in _LENGTHS]
+    # interleave the two sequences' blocks, so a slot or block-table mix-up shows
+    blocks_each = -(-max(_LENGTHS) // page)
+    tables = [[1 + 2 * i + s for i in range(blocks_each)] for s in range(len(seqs))]
+    device = next(iter(program.gm.parameters()), torch.empty(0)).device
+    cache = program.new_kv_cache(1 + 2 * blocks_each, device=device)
+    tol = _tolerance(program, kv_dtype)
+    for step in _SCHEDULE:
+        ids, specs = [], []
+        for s, (start, n) in enumerate(step.chunks):
+            ids += seqs[s][start:start + n]
+            specs.append((tables[s], start, n))
+        meta = AttentionMetadata.build(specs, page, [list(range(n)) for _, n in step.chunks])
+        stream = torch.tensor(ids, device=device)
+        with torch.no_grad():
+            got = program(stream, meta, cache).float().cpu()
+        row = 0
+        for s, (start, n) in enumerate(step.chunks):
+            want, _ = reference.run(seqs[s][:start + n])
+            want = want[start:start + n]
+            scale = max(1.0, float(want.abs().max()))
+            err = float((got[row:row + n] - want).abs().max())
+            if not err <= tol * scale:  # NaN fails too
+                if kv_dtype in _QUANTIZED:  # the float twin passed: the quantized cache itself is off
+                    raise UnsupportedModelError(
+                        f"compile-time self-check failed: the {kv_dtype} KV cache moves the logits by {err:.3g} "
+                        f"(more than {tol:.0%} of their scale {scale:.3g}) in a {step.kind}, although the same "
+                        f"program with a float cache is exact; use kv_dtype='auto' for this model")
+                raise UnsupportedModelError(_diagnose(program, reference, stream, meta, cache, seqs[s], start, n,
+                                                      row, step.kind, err, scale, tol))
+            row += n
+
+
+def _diagnose(program, reference, stream, meta, cache, seq, start, n, row, kind, err, scale, tol) -> str:
+    """Name the first attention site whose output differs, re-running the failing step recorded."""
+    tagged = {node.meta["attention_site"]: node for node in program.gm.graph.nodes if "attention_site" in node.meta}
+    rec = Recorder(program.gm, set(tagged.values()))
+    with torch.no_grad():
+        rec.run(*program.graph_inputs(stream, meta, cache))  # rewrites the same K/V: idempotent
+    _, want_sites = reference.run(seq[:start + n], record_sites=True)
+    where = "after every attention site agreed (the difference arises later in the layer stack)"
+    for layer in sorted(tagged):
+        if layer not in want_sites or tagged[layer] not in rec.values:
+            continue
+        got = rec.values[tagged[layer]].float()[..., row:row + n, :].cpu()  # [1, H, n, D]
+        want = want_sites[layer].float()[..., start:start + n, :]
+        if got.shape != want.shape:
+            continue
+        site_err = float((got - want).abs().max())
+        if not site_err <= tol * max(1.0, float(want.abs().max())):
+            site = program.compiled.context.analysis.sites[layer]
+            where = (f"first at attention site layer {layer} ({site.kind} attention, node {site.output.name}): "
+                     f"its output differs by {site_err:.3g}; the model's attention is not the plain causal "
+                     f"pattern the analysis proved at a short length (a sliding window, a position or mask "
+                     f"scheme it did not recognise)")
+            break
+    return (f"compile-time self-check failed: the incremental program's logits differ from the cache-free "
+            f"model's by {err:.3g} (tolerance {tol * scale:.3g}) in a {kind} at positions {start}..{start + n - 1}; "
+            f"{where}. specgraph refuses the model rather than answer wrongly; Engine(self_check=False) skips this "
+            f"check (at your own risk)")

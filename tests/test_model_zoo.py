@@ -1,0 +1,70 @@
+"""A zoo of tiny random-weight Hugging Face decoders, built from default configs (use_cache left as is).
+
+Each is either exact (Engine greedy == the cache-free argmax loop, 16 tokens after a 32-token
+prompt) or refused with a clear error at Engine construction: never silently wrong. The table
+says which today; a model moving from refused to exact must update it.
+"""
+import pytest
+import torch
+
+import specgraph
+from specgraph import UnsupportedAttentionError, UnsupportedModelError
+from models import uncached_greedy
+
+SMALL = dict(vocab_size=160, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             max_position_embeddings=256)
+GQA = dict(SMALL, num_key_value_heads=2)
+GPT_STYLE = dict(vocab_size=160, n_embd=64, n_layer=2, n_head=4, n_positions=256)
+
+# name: (config class, model class, config overrides, expected outcome, refusal reason when refused)
+ZOO = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", GQA, "exact"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", GQA, "exact"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(GQA, head_dim=16), "exact"),
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(GQA, head_dim=16), "exact"),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(GQA, pad_token_id=0), "exact"),
+    "phi": ("PhiConfig", "PhiForCausalLM", SMALL, "exact"),
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel", GPT_STYLE, "exact"),
+    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", SMALL, "exact"),
+    "opt": ("OPTConfig", "OPTForCausalLM", dict(vocab_size=160, hidden_size=64, ffn_dim=128, num_hidden_layers=2,
+                                                 num_attention_heads=4, max_position_embeddings=256,
+                                                 word_embed_proj_dim=64), "refused"),
+    "falcon": ("FalconConfig", "FalconForCausalLM", dict(vocab_size=160, hidden_size=64, num_hidden_layers=2,
+                                                         num_attention_heads=4), "exact"),
+    "gptj": ("GPTJConfig", "GPTJForCausalLM", dict(GPT_STYLE, rotary_dim=8), "exact"),
+    "stablelm": ("StableLmConfig", "StableLmForCausalLM", GQA, "exact"),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", GQA, "exact"),
+    "cohere": ("CohereConfig", "CohereForCausalLM", GQA, "exact"),
+    "granite": ("GraniteConfig", "GraniteForCausalLM", GQA, "exact"),
+    "gpt_bigcode": ("GPTBigCodeConfig", "GPTBigCodeForCausalLM", GPT_STYLE, "exact"),
+    "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", GQA, "exact"),
+    "bloom": ("BloomConfig", "BloomForCausalLM", dict(vocab_size=160, hidden_size=64, n_layer=2, n_head=4),
+              "refused"),
+    "mistral_window8": ("MistralConfig", "MistralForCausalLM", dict(GQA, sliding_window=8), "refused"),
+    "gemma2_window8": ("Gemma2Config", "Gemma2ForCausalLM", dict(GQA, head_dim=16, sliding_window=8), "refused"),
+}
+
+
+def build(name: str) -> torch.nn.Module:
+    import transformers
+
+    config_cls, model_cls, overrides, _ = ZOO[name]
+    torch.manual_seed(0)
+    config = getattr(transformers, config_cls)(**overrides)
+    return getattr(transformers, model_cls)(config).eval()
+
+
+@pytest.mark.parametrize("name", sorted(ZOO))
+def test_zoo_model_is_exact_or_refused(name):
+    model = build(name)
+    vocab = model.get_output_embeddings().weight.shape[0]
+    prompt = torch.randint(0, vocab, (32,), generator=torch.Generator().manual_seed(7)).tolist()
+    try:
+        engine = specgraph.Engine(model, num_blocks=16, page_size=16)
+    except (UnsupportedAttentionError, UnsupportedModelError) as e:
+        assert ZOO[name][3] == "refused", f"{name} is refused: {e}"
+        assert len(str(e)) > 40  # a message that says what and where
+        return
+    got = engine.generate(prompt, max_new_tokens=16, ignore_eos=True)[0].token_ids
+    assert got == uncached_greedy(model, prompt, 16), f"{name}: compiled but silently wrong"
+    assert ZOO[name][3] == "exact", f"{name} is exact now: update the zoo table (and the README)"
