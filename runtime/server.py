@@ -286,37 +286,20 @@ class Server:
         prompts = [self.encode(p) for p in body.prompts()]
         streams = await self.submit(prompts, body, body.max_tokens, body.logprobs)
         gen = _Generation(self, streams, body.n, body.stop, sum(len(p) for p in prompts))
-        rid = new_id("cmpl")
+        want_lp = body.logprobs is not None
 
-        def chunk(choices, usage_=None):
-            out = {"id": rid, "object": "text_completion", "created": gen.created, "model": self.model_name,
-                   "choices": choices}
-            if usage_ is not None:
-                out["usage"] = usage_
-            return out
+        def stream_choice(i: int, text: str, finish: str | None) -> dict:
+            s = gen.samples[i]
+            lp = self._completion_logprobs(_Sample(s.tokens[-1:], s.logprobs[-1:])) \
+                if want_lp and finish is None and text else None
+            return {"text": text, "index": i, "logprobs": lp, "finish_reason": finish}
 
-        if body.stream:
-            async def sse():
-                async for choice, text, finish in gen.events(http, poll_disconnect=False):
-                    sample = gen.samples[choice]
-                    lp = None
-                    if body.logprobs is not None and finish is None and text:
-                        lp = self._completion_logprobs(_Sample(sample.tokens[-1:], sample.logprobs[-1:]))
-                    yield _sse(chunk([{"text": text, "index": choice, "logprobs": lp, "finish_reason": finish}]))
-                if body.stream_options and body.stream_options.include_usage:
-                    yield _sse(chunk([], usage(gen.prompt_tokens, gen.completion_tokens())))
-                yield "data: [DONE]\n\n"
-                self.metrics.requests.labels("completions", "ok").inc()
-            return StreamingResponse(sse(), media_type="text/event-stream")
+        def final_choice(i: int, text: str, s: _Sample) -> dict:
+            return {"text": text, "index": i, "finish_reason": s.finish_reason,
+                    "logprobs": self._completion_logprobs(s) if want_lp else None}
 
-        texts = [""] * len(gen.samples)
-        async for choice, text, finish in gen.events(http, poll_disconnect=True):
-            texts[choice] += text
-        self.metrics.requests.labels("completions", "ok").inc()
-        choices = [{"text": texts[i], "index": i, "finish_reason": s.finish_reason,
-                    "logprobs": self._completion_logprobs(s) if body.logprobs is not None else None}
-                   for i, s in enumerate(gen.samples)]
-        return chunk(choices, usage(gen.prompt_tokens, gen.completion_tokens()))
+        return await self._respond(gen, body, http, "completions", ("cmpl", "text_completion", "text_completion"),
+                                   [], stream_choice, final_choice)
 
     async def chat(self, body: ChatCompletionRequest, http: Request):
         self.check_model(body.model)
@@ -324,9 +307,30 @@ class Server:
         top = (body.top_logprobs or 0) if body.logprobs else None
         streams = await self.submit([prompt], body, body.max_new_tokens(DEFAULT_CHAT_MAX_TOKENS), top)
         gen = _Generation(self, streams, body.n, body.stop, len(prompt))
-        rid = new_id("chatcmpl")
 
-        def chunk(choices, usage_=None, obj="chat.completion.chunk"):
+        def stream_choice(i: int, text: str, finish: str | None) -> dict:
+            s = gen.samples[i]
+            lp = self._chat_logprobs(s.tokens[-1:], s.logprobs[-1:]) if top is not None and finish is None \
+                and text else None
+            delta = {"content": text} if text or finish is None else {}
+            return {"index": i, "delta": delta, "logprobs": lp, "finish_reason": finish}
+
+        def final_choice(i: int, text: str, s: _Sample) -> dict:
+            return {"index": i, "message": {"role": "assistant", "content": text},
+                    "logprobs": self._chat_logprobs(s.tokens, s.logprobs) if top is not None else None,
+                    "finish_reason": s.finish_reason}
+
+        prelude = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                    "finish_reason": None} for i in range(len(gen.samples))]
+        return await self._respond(gen, body, http, "chat", ("chatcmpl", "chat.completion", "chat.completion.chunk"),
+                                   prelude, stream_choice, final_choice)
+
+    async def _respond(self, gen: _Generation, body, http: Request, endpoint: str, kinds: tuple[str, str, str],
+                       prelude: list[dict], stream_choice, final_choice):
+        """A streaming (SSE) or a whole response; ``kinds`` = (id prefix, object, streamed chunk object)."""
+        rid = new_id(kinds[0])
+
+        def envelope(choices: list[dict], obj: str, usage_: dict | None = None) -> dict:
             out = {"id": rid, "object": obj, "created": gen.created, "model": self.model_name, "choices": choices}
             if usage_ is not None:
                 out["usage"] = usage_
@@ -334,30 +338,22 @@ class Server:
 
         if body.stream:
             async def sse():
-                for i in range(len(gen.samples)):
-                    yield _sse(chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
-                                       "logprobs": None, "finish_reason": None}]))
+                for c in prelude:
+                    yield _sse(envelope([c], kinds[2]))
                 async for choice, text, finish in gen.events(http, poll_disconnect=False):
-                    sample = gen.samples[choice]
-                    lp = None
-                    if top is not None and finish is None and text:
-                        lp = self._chat_logprobs(sample.tokens[-1:], sample.logprobs[-1:])
-                    delta = {"content": text} if text or finish is None else {}
-                    yield _sse(chunk([{"index": choice, "delta": delta, "logprobs": lp, "finish_reason": finish}]))
+                    yield _sse(envelope([stream_choice(choice, text, finish)], kinds[2]))
                 if body.stream_options and body.stream_options.include_usage:
-                    yield _sse(chunk([], usage(gen.prompt_tokens, gen.completion_tokens())))
+                    yield _sse(envelope([], kinds[2], usage(gen.prompt_tokens, gen.completion_tokens())))
                 yield "data: [DONE]\n\n"
-                self.metrics.requests.labels("chat", "ok").inc()
+                self.metrics.requests.labels(endpoint, "ok").inc()
             return StreamingResponse(sse(), media_type="text/event-stream")
 
         texts = [""] * len(gen.samples)
-        async for choice, text, finish in gen.events(http, poll_disconnect=True):
+        async for choice, text, _ in gen.events(http, poll_disconnect=True):
             texts[choice] += text
-        self.metrics.requests.labels("chat", "ok").inc()
-        choices = [{"index": i, "message": {"role": "assistant", "content": texts[i]},
-                    "logprobs": self._chat_logprobs(s.tokens, s.logprobs) if top is not None else None,
-                    "finish_reason": s.finish_reason} for i, s in enumerate(gen.samples)]
-        return chunk(choices, usage(gen.prompt_tokens, gen.completion_tokens()), obj="chat.completion")
+        self.metrics.requests.labels(endpoint, "ok").inc()
+        return envelope([final_choice(i, texts[i], s) for i, s in enumerate(gen.samples)], kinds[1],
+                        usage(gen.prompt_tokens, gen.completion_tokens()))
 
 
 def _sse(payload: dict) -> str:
