@@ -197,3 +197,21 @@ def test_cli_bad_arguments_print_one_line_and_exit_2(capsys):
         assert main(argv) == 2, argv
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("specgraph: error:"), (argv, err)
+
+
+def test_cli_chat_streams_and_reuses_the_prefix_cache_across_turns(model, tokenizer, tmp_path, monkeypatch, capsys):
+    from specgraph.runtime.cli import main
+
+    folder = tmp_path / "tiny"
+    model.config.use_cache = False
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    turns = iter(["Hello there, how are you today?", "And what about tomorrow?", ""])
+    monkeypatch.setattr("builtins.input", lambda prompt="": next(turns))
+    assert main(["chat", "--model", str(folder), "--max-new-tokens", "6", "--num-blocks", "64",
+                 "--page-size", "8"]) == 0
+    err = capsys.readouterr().err
+    reports = [line for line in err.splitlines() if "prompt tokens from the prefix cache" in line]
+    assert len(reports) == 2, err
+    cached = int(reports[1].split(", ")[-1].split("/")[0])
+    assert cached > 0, reports[1]  # the second turn's prompt starts with the first turn's blocks
