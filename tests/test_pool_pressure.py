@@ -47,3 +47,22 @@ def test_request_that_can_never_fit_is_refused_with_the_numbers():
     with pytest.raises(ValueError, match=r"needs 12 blocks .* the pool has 11"):
         engine.submit([1] * 60, max_new_tokens=30)
     assert not engine.has_unfinished()
+
+
+def test_forked_samples_equal_the_same_samples_run_alone():
+    """n samples share the prompt's blocks; sample j draws like a lone request seeded seed + j."""
+    model = make_family("sdpa_gqa")
+    prompt = random_prompts("sdpa_gqa", (29,), seed=4)[0]
+    engine = specgraph.Engine(model, page_size=8, num_blocks=32)
+    forked = engine.submit(prompt, max_new_tokens=12, temperature=1.0, seed=11, n=3, ignore_eos=True)
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.stats["forks"] == 2 and engine.stats["cow_copies"] >= 1
+    alone = []
+    for j in range(3):
+        (r,) = engine.submit(prompt, max_new_tokens=12, temperature=1.0, seed=11 + j, ignore_eos=True)
+        while engine.has_unfinished():
+            engine.step()
+        alone.append(r.output_ids)
+    assert [r.output_ids for r in forked] == alone
+    assert len({tuple(a) for a in alone}) > 1  # the samples differ
