@@ -1,8 +1,9 @@
 """AsyncEngine: one background step loop over an :class:`Engine`, for many concurrent callers.
 
 Requests join and leave between steps (continuous batching across callers). The Engine is not
-thread-safe, so it has one owner at a time: an ``asyncio.Lock`` is held while a step runs (in a
-worker thread, so the event loop stays responsive) and while a request is submitted or aborted.
+thread-safe, so it has one owner at a time: an ``asyncio.Lock`` is held while a step runs (in one
+dedicated worker thread, so the event loop stays responsive and torch keeps one OpenMP team) and
+while a request is submitted or aborted.
 Tokens come out of the step thread through ``loop.call_soon_threadsafe`` into one
 ``asyncio.Queue`` per request.
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -85,6 +87,7 @@ class AsyncEngine:
         self._closing = False
         self.steps = 0
         self.step_error: BaseException | None = None
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specgraph-step")
 
     @property
     def num_pending(self) -> int:
@@ -137,6 +140,7 @@ class AsyncEngine:
                 await self._task
             except asyncio.CancelledError:
                 pass
+        self._executor.shutdown(wait=True)
 
     # ---------------------------------------------------------------- internals
     def _token_callback(self, stream: RequestStream, index: int, r: Request):
@@ -163,7 +167,7 @@ class AsyncEngine:
                 continue
             async with self._lock:
                 try:
-                    await asyncio.to_thread(self.engine.step)
+                    await self._loop.run_in_executor(self._executor, self.engine.step)
                 except Exception as e:  # a broken step must not hang every client: fail them all
                     self.step_error = e
                     for r in list(self.engine.scheduler.running) + list(self.engine.scheduler.waiting):
