@@ -71,18 +71,19 @@ class _Reference:
         self.logits_node = output_nodes(gm.graph)[analysis.logits_index] if structured else out
 
     def run(self, ids: list[int], record_sites: bool = False) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        device = next(iter(self.gm.parameters()), torch.empty(0)).device
         args = sample_inputs(self.gm, self.ids_node, None, self.analysis.vocab_size, len(ids),
-                             ids=torch.tensor([ids]))
+                             ids=torch.tensor([ids], device=device))
         with torch.no_grad():
             if not record_sites:
                 out = self.gm(*args)
                 leaves = pytree.tree_leaves(out, is_leaf=lambda x: x is None) if isinstance(out, (tuple, list, dict)) \
                     else [out]
-                return leaves[self.logits_position].reshape(len(ids), -1).float(), {}
+                return leaves[self.logits_position].reshape(len(ids), -1).float().cpu(), {}
             rec = Recorder(self.gm, {self.logits_node} | set(self.sites.values()))
             rec.run(*args)
-        logits = rec.values[self.logits_node].reshape(len(ids), -1).float()
-        return logits, {layer: rec.values[n] for layer, n in self.sites.items()}
+        logits = rec.values[self.logits_node].reshape(len(ids), -1).float().cpu()
+        return logits, {layer: rec.values[n].cpu() for layer, n in self.sites.items()}
 
 
 def self_check(program: DecoderProgram, kv_dtype: str = "auto", seed: int = 0) -> float:
