@@ -149,9 +149,11 @@ def cmd_serve(args) -> int:
     model, tokenizer = _load(args)
     engine = _engine(args, model, tokenizer)
     name = args.served_model_name or args.model
-    app = build_app(engine, model_name=name, max_pending=args.max_pending)
+    app = build_app(engine, model_name=name, max_pending=args.max_pending, shutdown_timeout=args.shutdown_timeout)
     print(f"serving {name} on http://{args.host}:{args.port}/v1 (Ctrl-C stops)", file=sys.stderr)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    # Ctrl-C: in-flight requests get --shutdown-timeout seconds to finish, then are cancelled (blocks freed)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                timeout_graceful_shutdown=args.shutdown_timeout)
     return 0
 
 
@@ -228,6 +230,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--served-model-name", default=None, help="the name clients pass as model (default --model)")
     serve.add_argument("--max-pending", type=_positive, default=256, help="queued + running requests before 429")
+    serve.add_argument("--shutdown-timeout", type=float, default=10.0,
+                       help="seconds in-flight requests may take to finish on shutdown before they are cancelled")
     serve.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     serve.set_defaults(fn=cmd_serve)
 

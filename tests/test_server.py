@@ -34,9 +34,10 @@ def model(tokenizer):
 class LiveServer:
     """uvicorn in a background thread on an ephemeral port; stops (gracefully) on exit."""
 
-    def __init__(self, app):
+    def __init__(self, app, graceful_timeout: float | None = None):
         self.app = app
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
+                                                    timeout_graceful_shutdown=graceful_timeout))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     def __enter__(self):
@@ -60,10 +61,11 @@ class LiveServer:
         return self.app.state.server.engine.engine
 
 
-def serve(model, tokenizer, **engine_kwargs):
+def serve(model, tokenizer, graceful_timeout=None, **engine_kwargs):
     max_pending = engine_kwargs.pop("max_pending", 256)
     engine = specgraph.Engine(model, tokenizer=tokenizer, page_size=8, **engine_kwargs)
-    return LiveServer(build_app(engine, model_name=MODEL, max_pending=max_pending, shutdown_timeout=2.0))
+    return LiveServer(build_app(engine, model_name=MODEL, max_pending=max_pending, shutdown_timeout=2.0),
+                      graceful_timeout)
 
 
 def _wait_until(predicate, timeout=20.0):
@@ -159,6 +161,30 @@ def test_cancelled_stream_frees_its_blocks(model, tokenizer):
         _wait_until(lambda: not engine.has_unfinished() and engine.stats["kv_pool_usage"] == 0.0)
         assert 'specgraph_requests_total{endpoint="completions",status="aborted"} 1.0' in \
             httpx.get(live.url + "/metrics").text
+
+
+def test_shutdown_cancels_in_flight_streams_and_frees_their_blocks(model, tokenizer):
+    live = serve(model, tokenizer, graceful_timeout=0.5, num_blocks=128)
+    received = []
+
+    def client():
+        body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 900, "stream": True, "temperature": 0}
+        try:
+            with httpx.Client(timeout=60) as http, http.stream("POST", live.url + "/v1/completions", json=body) as r:
+                for line in r.iter_lines():
+                    received.append(line)
+        except httpx.HTTPError:
+            pass  # the server closed the connection: expected
+
+    with live:
+        engine = live.engine
+        reader = threading.Thread(target=client, daemon=True)
+        reader.start()
+        _wait_until(lambda: len(received) >= 4)
+    reader.join(timeout=30)
+    assert not reader.is_alive()
+    assert "data: [DONE]" not in received  # cut short, not run to its 900 tokens
+    assert not engine.has_unfinished() and engine.stats["kv_pool_usage"] == 0.0
 
 
 def test_bad_requests_get_openai_errors(model, tokenizer):
