@@ -340,10 +340,18 @@ def _find_position_sources(graph: fx.Graph, seq_expr) -> list[fx.Node]:
     return found
 
 
+def _flatten(out) -> list:
+    return list(pytree.tree_leaves(out, is_leaf=lambda x: x is None))
+
+
 def output_nodes(graph: fx.Graph) -> list:
     """The graph's outputs, flattened in order (tuples, lists and dicts of outputs; None kept)."""
-    out = next(n for n in graph.nodes if n.op == "output").args[0]
-    return list(pytree.tree_leaves(out, is_leaf=lambda x: x is None))
+    return _flatten(next(n for n in graph.nodes if n.op == "output").args[0])
+
+
+def pick_output(out, index: int):
+    """Output ``index`` (numbered as :func:`output_nodes` numbers them) of a graph's runtime result."""
+    return _flatten(out)[index]
 
 
 def find_logits(graph: fx.Graph, from_ids: set, seq_expr, vocab: int) -> tuple[int, fx.Node]:

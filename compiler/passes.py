@@ -21,7 +21,6 @@ from typing import Any, Callable, Iterable
 
 import torch
 import torch.fx as fx
-import torch.utils._pytree as pytree
 
 from .options import BackendOptions
 
@@ -137,10 +136,9 @@ def placeholder_args(gm: fx.GraphModule, values: dict[str, Any]) -> list:
 
 def _logits_output(out, ctx: "PassContext"):
     """The logits among a graph's outputs (the first output until the analysis has found them)."""
-    if not isinstance(out, (tuple, list, dict)):
-        return out
-    index = ctx.analysis.logits_index if ctx.analysis is not None else 0
-    return pytree.tree_leaves(out, is_leaf=lambda x: x is None)[index]
+    from .analysis import pick_output
+
+    return pick_output(out, ctx.analysis.logits_index if ctx.analysis is not None else 0)
 
 
 class PassCheckError(AssertionError):

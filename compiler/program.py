@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-import torch.utils._pytree as pytree
 
+from .analysis import pick_output
 from .backend import CompiledGraph, run_capture_pipeline
 from .lowering import lower
 from .options import BackendOptions
@@ -136,9 +136,7 @@ class DecoderProgram:
 
     def logits_of(self, out, meta: AttentionMetadata) -> torch.Tensor:
         """``[M, vocab]`` logits of the rows ``meta.logits_indices`` from the graph's raw output."""
-        logits = out
-        if isinstance(out, (tuple, list, dict)):  # the model also returns caches, hidden states, ...
-            logits = pytree.tree_leaves(out, is_leaf=lambda x: x is None)[self._logits_index]
+        logits = pick_output(out, self._logits_index)  # the model may also return caches, hidden states, ...
         logits = logits.reshape(-1, logits.shape[-1])
         return logits if self.selects_logits else logits.index_select(0, meta.logits_indices)
 
