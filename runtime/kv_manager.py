@@ -139,49 +139,47 @@ class KVCacheManager:
         needed). The sequence starts with ``num_tokens`` equal to that number; nothing is
         allocated, so this never fails for lack of blocks.
         """
-        if seq_id in self._seqs:
-            raise ValueError(f"sequence {seq_id} already exists")
-        seq = _Sequence()
-        if self.prefix_cache is not None:
-            max_blocks = max(0, len(prompt_token_ids) - 1) // self.page_size
-            blocks, keys = self.prefix_cache.lookup(prompt_token_ids, max_blocks)
-            self.block_pool.incref(blocks)
-            seq = _Sequence(blocks=blocks, num_tokens=len(blocks) * self.page_size, keys=keys)
-        self._seqs[seq_id] = seq
-        return seq.num_tokens
+        blocks, keys = self._cached_prefix(seq_id, prompt_token_ids)
+        return self._register(seq_id, prompt_token_ids, blocks, keys)
 
     def admit(self, seq_id: int, token_ids: Sequence[int], max_chunk: int) -> tuple[int, int] | None:
-        """Register a sequence and allocate its first chunk, all or nothing.
+        """:meth:`add_sequence` and the allocation of its first chunk, all or nothing.
 
-        Reuses the longest cached prefix of ``token_ids`` (as :meth:`add_sequence`), then
-        allocates ``n = min(len(token_ids) - cached, max_chunk)`` tokens after it. Returns
-        ``(cached, n)``; or ``None`` when the pool cannot supply the blocks, and then nothing
-        changed: no sequence, no references, no blocks, no hit-rate counts. A cached block
-        the hit revives from the free queue is not available to the new blocks, so it is
+        Allocates ``n = min(len(token_ids) - cached, max_chunk)`` tokens after the cached prefix
+        and returns ``(cached, n)``; or ``None`` when the pool cannot supply the blocks, and then
+        nothing changed: no sequence, no references, no blocks, no hit-rate counts. A cached
+        block the hit revives from the free queue is not available to the new blocks, so it is
         subtracted from what the pool can give.
         """
-        if seq_id in self._seqs:
-            raise ValueError(f"sequence {seq_id} already exists")
         if max_chunk < 1:
             raise ValueError(f"max_chunk must be >= 1; got {max_chunk}")
-        page = self.page_size
-        blocks, keys = [], []
-        if self.prefix_cache is not None:
-            max_blocks = max(0, len(token_ids) - 1) // page
-            blocks, keys = self.prefix_cache.lookup(token_ids, max_blocks, record=False)
-        cached = len(blocks) * page
+        blocks, keys = self._cached_prefix(seq_id, token_ids)
+        cached = len(blocks) * self.page_size
         n = min(len(token_ids) - cached, max_chunk)
         revived = sum(self.block_pool.ref_count(b) == 0 for b in blocks)
-        if _cdiv(cached + n, page) - len(blocks) > self.block_pool.num_free_blocks - revived:
+        if _cdiv(cached + n, self.page_size) - len(blocks) > self.block_pool.num_free_blocks - revived:
             return None
-        self.block_pool.incref(blocks)
-        self._seqs[seq_id] = _Sequence(blocks=blocks, num_tokens=cached, keys=keys)
-        if self.prefix_cache is not None:
-            self.prefix_cache.record(len(token_ids), cached)
+        self._register(seq_id, token_ids, blocks, keys)
         copies = self.allocate(seq_id, n)
         # Hits are whole blocks, so there is no shared partial block to copy, and the room was checked.
         assert copies == [], copies
         return cached, n
+
+    def _cached_prefix(self, seq_id: int, token_ids: Sequence[int]) -> tuple[list[int], list[BlockKey]]:
+        """The cached full blocks prefixing ``token_ids`` (never the last token); nothing taken or counted."""
+        if seq_id in self._seqs:
+            raise ValueError(f"sequence {seq_id} already exists")
+        if self.prefix_cache is None:
+            return [], []
+        max_blocks = max(0, len(token_ids) - 1) // self.page_size
+        return self.prefix_cache.lookup(token_ids, max_blocks, record=False)
+
+    def _register(self, seq_id: int, token_ids: Sequence[int], blocks: list[int], keys: list[BlockKey]) -> int:
+        self.block_pool.incref(blocks)
+        self._seqs[seq_id] = _Sequence(blocks=blocks, num_tokens=len(blocks) * self.page_size, keys=keys)
+        if self.prefix_cache is not None:
+            self.prefix_cache.record(len(token_ids), len(blocks) * self.page_size)
+        return len(blocks) * self.page_size
 
     def num_blocks_needed(self, seq_id: int, num_new_tokens: int) -> int:
         """Free blocks ``allocate(seq_id, num_new_tokens)`` would take (copy included)."""
