@@ -13,6 +13,8 @@ import sys
 import threading
 import time
 
+from .text_stream import TextStream
+
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
@@ -79,19 +81,15 @@ def _chat_template(tokenizer, messages) -> str:
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
-class _TextStream:
-    """Prints the text of a growing token list as it grows (handles multi-token characters)."""
+def _printer(tokenizer):
+    """An ``on_token`` that prints the text as it becomes final."""
+    text = TextStream(tokenizer)
 
-    def __init__(self, tokenizer):
-        self.tokenizer, self.tokens, self.shown = tokenizer, [], 0
-
-    def __call__(self, token: int) -> None:
-        self.tokens.append(token)
-        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
-        end = len(text) - (text.endswith("\ufffd"))
-        sys.stdout.write(text[self.shown:end])
+    def on_token(token: int) -> None:
+        sys.stdout.write(text.add(token))
         sys.stdout.flush()
-        self.shown = max(self.shown, end)
+
+    return on_token
 
 
 def _print_stats(engine) -> None:
@@ -104,9 +102,9 @@ def cmd_generate(args) -> int:
     model, tokenizer = _load(args)
     engine = _engine(args, model, tokenizer)
     prompt = args.prompt if args.raw else _chat_template(tokenizer, [{"role": "user", "content": args.prompt}])
-    stream = _TextStream(tokenizer)
+    show = _printer(tokenizer)
     engine.generate(prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                    top_k=args.top_k, seed=args.seed, on_token=lambda _, token: stream(token))
+                    top_k=args.top_k, seed=args.seed, on_token=lambda _, token: show(token))
     print()
     _print_stats(engine)
     return 0
@@ -127,10 +125,10 @@ def cmd_chat(args) -> int:
         if not line.strip():
             break
         messages.append({"role": "user", "content": line})
-        stream = _TextStream(tokenizer)
+        show = _printer(tokenizer)
         result = engine.generate(_chat_template(tokenizer, messages), max_new_tokens=args.max_new_tokens,
                                  temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                                 on_token=lambda _, token: stream(token))[0]
+                                 on_token=lambda _, token: show(token))[0]
         print()
         s = engine.stats
         print(f"[{len(result.token_ids)} tokens, {s['tokens_per_second']:.1f} tok/s, "

@@ -24,9 +24,10 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from .async_engine import AsyncEngine, QueueFullError, RequestStream, TokenEvent
+from .async_engine import AsyncEngine, FinishEvent, QueueFullError, RequestStream, TokenEvent
 from .engine import Engine
 from .openai_protocol import ChatCompletionRequest, CompletionRequest, error_body, new_id, now, usage
+from .text_stream import TextStream
 
 DEFAULT_CHAT_MAX_TOKENS = 512
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -79,35 +80,12 @@ class Metrics:
 
 
 # ----------------------------------------------------------------------------- helpers
-def _stop_cut(text: str, stops: list[str], final: bool) -> tuple[int, bool]:
-    """How much of ``text`` may be shown, and whether a stop string ends it.
-
-    A tail that could still grow into a stop string (or an incomplete UTF-8 character, decoded
-    as U+FFFD) is held back until more tokens or the end arrive.
-    """
-    cut = min((text.index(s) for s in stops if s in text), default=None)
-    if cut is not None:
-        return cut, True
-    if final:
-        return len(text), False
-    keep = len(text)
-    for s in stops:
-        for k in range(min(len(s) - 1, len(text)), 0, -1):
-            if text.endswith(s[:k]):
-                keep = min(keep, len(text) - k)
-                break
-    while keep and text[keep - 1] == "\ufffd":
-        keep -= 1
-    return keep, False
-
-
 @dataclass
 class _Sample:
     """What has been produced and shown of one sample."""
 
-    tokens: list[int] = field(default_factory=list)
+    text: TextStream
     logprobs: list[tuple[float, list]] = field(default_factory=list)
-    shown: int = 0  # characters of the decoded text already sent
     finish_reason: str | None = None
     last_token_at: float | None = None
 
@@ -117,7 +95,7 @@ class _Generation:
 
     def __init__(self, server: "Server", streams: list[RequestStream], n: int, stops: list[str], prompt_tokens: int):
         self.server, self.streams, self.n, self.stops = server, streams, n, stops
-        self.samples = [_Sample() for _ in range(len(streams) * n)]
+        self.samples = [_Sample(TextStream(server.tokenizer, stops)) for _ in range(len(streams) * n)]
         self.prompt_tokens = prompt_tokens
         self.created = now()
 
@@ -134,19 +112,24 @@ class _Generation:
             async for event in stream:
                 await merged.put((i, event))
 
+        async def next_event():
+            if not poll_disconnect:
+                return await merged.get()
+            while True:
+                try:
+                    return await asyncio.wait_for(merged.get(), timeout=0.5)
+                except asyncio.TimeoutError:
+                    if await http.is_disconnected():
+                        return None
+
         pumps = [asyncio.create_task(pump(i, s)) for i, s in enumerate(self.streams)]
         open_samples = len(self.samples)
-        next_poll = time.perf_counter() + 0.5
         try:
             while open_samples:
-                if poll_disconnect and time.perf_counter() >= next_poll:
-                    next_poll = time.perf_counter() + 0.5
-                    if await http.is_disconnected():
-                        return
-                try:
-                    i, event = await asyncio.wait_for(merged.get(), timeout=0.5)
-                except asyncio.TimeoutError:
-                    continue
+                got = await next_event()
+                if got is None:  # the client went away
+                    return
+                i, event = got
                 choice = i * self.n + event.index
                 out = self._apply(choice, event)
                 if out is not None:
@@ -165,34 +148,26 @@ class _Generation:
         sample = self.samples[choice]
         if sample.finish_reason is not None:
             return None
-        tok = self.server.tokenizer
         metrics = self.server.metrics
-        t = time.perf_counter()
         if isinstance(event, TokenEvent):
+            t = time.perf_counter()
             if sample.last_token_at is None:
-                metrics.ttft.observe(t - self.streams[choice // self.n].submitted_at)
+                request = self.streams[choice // self.n].requests[event.index]
+                metrics.ttft.observe(t - request.arrival_time)
             else:
                 metrics.itl.observe(t - sample.last_token_at)
             sample.last_token_at = t
-            sample.tokens.append(event.token_id)
             sample.logprobs.append((event.logprob, event.top_logprobs))
             metrics.generation_tokens.inc()
-            final = False
+            new = sample.text.add(event.token_id)
         else:
-            final = True
-        text = tok.decode(sample.tokens, skip_special_tokens=True)
-        keep, stopped = _stop_cut(text, self.stops, final)
-        new = text[sample.shown:keep] if keep > sample.shown else ""
-        sample.shown = max(sample.shown, keep)
-        if stopped or final:
-            sample.finish_reason = "stop" if stopped else event.finish_reason
-            if sample.finish_reason == "abort":
-                sample.finish_reason = "length"
-            return choice, new, sample.finish_reason
-        return choice, new, None
+            new = sample.text.finish()
+        if sample.text.stopped or isinstance(event, FinishEvent):
+            sample.finish_reason = "stop" if sample.text.stopped else event.finish_reason
+        return choice, new, sample.finish_reason
 
     def completion_tokens(self) -> int:
-        return sum(len(s.tokens) for s in self.samples)
+        return sum(len(s.text.tokens) for s in self.samples)
 
 
 class Server:
@@ -260,15 +235,15 @@ class Server:
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
     # ------------------------------------------------------------------ responses
-    def _completion_logprobs(self, sample: _Sample) -> dict:
+    def _completion_logprobs(self, tokens: list[int], logprobs: list) -> dict:
         tok = self.tokenizer
-        pieces = [tok.decode([t]) for t in sample.tokens]
+        pieces = [tok.decode([t]) for t in tokens]
         offsets, pos = [], 0
         for p in pieces:
             offsets.append(pos)
             pos += len(p)
-        return {"tokens": pieces, "token_logprobs": [lp for lp, _ in sample.logprobs],
-                "top_logprobs": [{tok.decode([t]): v for t, v in top} for _, top in sample.logprobs],
+        return {"tokens": pieces, "token_logprobs": [lp for lp, _ in logprobs],
+                "top_logprobs": [{tok.decode([t]): v for t, v in top} for _, top in logprobs],
                 "text_offset": offsets}
 
     def _chat_logprobs(self, tokens: list[int], logprobs: list) -> dict:
@@ -290,13 +265,13 @@ class Server:
 
         def stream_choice(i: int, text: str, finish: str | None) -> dict:
             s = gen.samples[i]
-            lp = self._completion_logprobs(_Sample(s.tokens[-1:], s.logprobs[-1:])) \
+            lp = self._completion_logprobs(s.text.tokens[-1:], s.logprobs[-1:]) \
                 if want_lp and finish is None and text else None
             return {"text": text, "index": i, "logprobs": lp, "finish_reason": finish}
 
         def final_choice(i: int, text: str, s: _Sample) -> dict:
             return {"text": text, "index": i, "finish_reason": s.finish_reason,
-                    "logprobs": self._completion_logprobs(s) if want_lp else None}
+                    "logprobs": self._completion_logprobs(s.text.tokens, s.logprobs) if want_lp else None}
 
         return await self._respond(gen, body, http, "completions", ("cmpl", "text_completion", "text_completion"),
                                    [], stream_choice, final_choice)
@@ -310,14 +285,14 @@ class Server:
 
         def stream_choice(i: int, text: str, finish: str | None) -> dict:
             s = gen.samples[i]
-            lp = self._chat_logprobs(s.tokens[-1:], s.logprobs[-1:]) if top is not None and finish is None \
+            lp = self._chat_logprobs(s.text.tokens[-1:], s.logprobs[-1:]) if top is not None and finish is None \
                 and text else None
             delta = {"content": text} if text or finish is None else {}
             return {"index": i, "delta": delta, "logprobs": lp, "finish_reason": finish}
 
         def final_choice(i: int, text: str, s: _Sample) -> dict:
             return {"index": i, "message": {"role": "assistant", "content": text},
-                    "logprobs": self._chat_logprobs(s.tokens, s.logprobs) if top is not None else None,
+                    "logprobs": self._chat_logprobs(s.text.tokens, s.logprobs) if top is not None else None,
                     "finish_reason": s.finish_reason}
 
         prelude = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
