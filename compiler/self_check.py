@@ -25,9 +25,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
-import torch.utils._pytree as pytree
 
-from .analysis import Recorder, UnsupportedModelError, output_nodes, sample_inputs
+from .analysis import Recorder, UnsupportedModelError, output_nodes, pick_output, sample_inputs
 from .program import AttentionMetadata, DecoderProgram
 
 #: relative tolerance (of the reference's largest logit) by KV-cache storage. The quantized ones
@@ -65,21 +64,16 @@ class _Reference:
         self.gm, self.analysis = gm, analysis
         self.ids_node = next(n for n in gm.graph.nodes if n.op == "placeholder" and n.name == analysis.input_ids.name)
         self.sites = {n.meta["attention_site"]: n for n in gm.graph.nodes if "attention_site" in n.meta}
-        out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
-        structured = isinstance(out, (tuple, list, dict))
-        self.logits_position = analysis.logits_index if structured else 0
-        self.logits_node = output_nodes(gm.graph)[analysis.logits_index] if structured else out
+        self.logits_node = output_nodes(gm.graph)[analysis.logits_index]
+        self.device = next(iter(gm.parameters()), torch.empty(0)).device
 
     def run(self, ids: list[int], record_sites: bool = False) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        device = next(iter(self.gm.parameters()), torch.empty(0)).device
         args = sample_inputs(self.gm, self.ids_node, None, self.analysis.vocab_size, len(ids),
-                             ids=torch.tensor([ids], device=device))
+                             ids=torch.tensor([ids], device=self.device))
         with torch.no_grad():
             if not record_sites:
-                out = self.gm(*args)
-                leaves = pytree.tree_leaves(out, is_leaf=lambda x: x is None) if isinstance(out, (tuple, list, dict)) \
-                    else [out]
-                return leaves[self.logits_position].reshape(len(ids), -1).float().cpu(), {}
+                logits = pick_output(self.gm(*args), self.analysis.logits_index)
+                return logits.reshape(len(ids), -1).float().cpu(), {}
             rec = Recorder(self.gm, {self.logits_node} | set(self.sites.values()))
             rec.run(*args)
         logits = rec.values[self.logits_node].reshape(len(ids), -1).float().cpu()
@@ -106,7 +100,8 @@ def float_twin(program: DecoderProgram) -> DecoderProgram:
     from .program import _program
 
     ctx = program.compiled.context
-    options = dataclasses.replace(ctx.options, kv_dtype="auto", self_check=False, prepack_weights=False,
+    # self_check=True only makes annotate keep the twin's cache-free graph; _program does not check again
+    options = dataclasses.replace(ctx.options, kv_dtype="auto", self_check=True, prepack_weights=False,
                                   dump_dir=None, check="off")
     ordered = order_passes(decoder_passes(), options.passes)
     names = [p.name for p in ordered]

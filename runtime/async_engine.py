@@ -53,7 +53,6 @@ class RequestStream:
 
     requests: list[Request]
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
-    submitted_at: float = field(default_factory=time.perf_counter)
 
     @property
     def finished(self) -> bool:
@@ -85,7 +84,6 @@ class AsyncEngine:
         self._task: asyncio.Task | None = None
         self._streams: dict[int, RequestStream] = {}  # request id -> its stream
         self._closing = False
-        self.steps = 0
         self.step_error: BaseException | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specgraph-step")
 
@@ -176,5 +174,4 @@ class AsyncEngine:
                         if stream is not None:
                             stream.queue.put_nowait(FinishEvent(stream.requests.index(r), "error"))
                     continue
-            self.steps += 1
             await asyncio.sleep(0)  # let handlers submit/abort between steps

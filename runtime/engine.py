@@ -123,8 +123,6 @@ class Engine:
         for r in requests:  # all checked before any is queued
             self.scheduler.add(r)
         t0 = time.perf_counter()
-        for r in requests:
-            r.arrival_time = t0
         while not all(r.finished for r in requests):
             self.step()
         elapsed = time.perf_counter() - t0
@@ -244,8 +242,7 @@ class Engine:
     def reset_stats(self) -> None:
         self._stats = dict(tokens_per_second=0.0, generated_tokens=0, prompt_tokens=0, cached_prompt_tokens=0,
                            target_forwards=0, kv_pool_peak_usage=0.0, time_to_first_token_s=0.0, elapsed_s=0.0,
-                           draft_tokens=0, accepted_tokens=0, verify_steps=0, verify_emitted=0,
-                           finished_requests=0)
+                           draft_tokens=0, accepted_tokens=0, verify_steps=0, verify_emitted=0)
         self._counter_base = self._counters()
 
     def _counters(self) -> dict[str, int]:
@@ -406,7 +403,6 @@ class Engine:
         if reason is not None:
             r.finish_reason = reason
             self.scheduler.finish(r)
-            self._stats["finished_requests"] += 1
         if r.on_token is not None:
             r.on_token(token)
 
