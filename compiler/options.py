@@ -14,6 +14,8 @@ KV_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8", "int4")
 PAGE_SIZES = (8, 16, 32)
 CHECK_MODES = ("off", "numeric")
 DUMP_ENV_VAR = "SPECGRAPH_DUMP_DIR"
+LOWERINGS = ("inductor", "eager", "triton-interpret")
+LOWERING_ENV_VAR = "SPECGRAPH_LOWERING"
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,12 @@ class BackendOptions:
         cache-free graph (:mod:`specgraph.compiler.self_check`); a mismatch raises
         ``UnsupportedModelError`` instead of letting the engine answer wrongly. Costs a few
         forwards. (The backend's own cache-free graph needs no such check.)
+    lowering:
+        How a decoder program's step runs: ``"inductor"`` (generated code: C++/OpenMP on CPU,
+        Triton on CUDA; compiled once per machine, cached on disk), ``"eager"`` (the transformed
+        graph op by op: the reference the others are tested against) or ``"triton-interpret"``
+        (Inductor's Triton code for CPU tensors, run by the Triton interpreter: slow, for CI).
+        Defaults to ``$SPECGRAPH_LOWERING`` when set, else ``"inductor"``.
     prepack_weights:
         On CPU, run float32 linears as oneDNN linears over weights reordered once at compile
         time (faster few-row GEMMs; one extra copy of those weights). ``False`` keeps
@@ -57,12 +65,17 @@ class BackendOptions:
     mlir: bool = False
     prepack_weights: bool = True
     self_check: bool = True
+    lowering: str | None = None
 
     def __post_init__(self) -> None:
         if self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype={self.kv_dtype!r} is not supported; valid: {', '.join(KV_DTYPES)}")
         if self.page_size not in PAGE_SIZES:
             raise ValueError(f"page_size={self.page_size!r} is not supported; valid: {PAGE_SIZES}")
+        if self.lowering is None:
+            object.__setattr__(self, "lowering", os.environ.get(LOWERING_ENV_VAR) or "inductor")
+        if self.lowering not in LOWERINGS:
+            raise ValueError(f"lowering={self.lowering!r} is not supported; valid: {', '.join(LOWERINGS)}")
         if self.check not in CHECK_MODES:
             raise ValueError(f"check={self.check!r} is not supported; valid: {CHECK_MODES}")
         for p in self.passes:

@@ -7,8 +7,9 @@ prefill chunks and decodes of several sequences; what differs is only :class:`At
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.fx as fx
@@ -52,7 +53,7 @@ class AttentionMetadata:
             rows.extend(qsl[-1] + o for o in want)
             qsl.append(qsl[-1] + n)
             lens.append(start + n)
-        width = max(1, max(len(t) for t, _, _ in seqs))
+        width = max([1] + [len(t) for t, _, _ in seqs])
         tables = torch.zeros(len(seqs), width, dtype=torch.int32)
         for i, (t, _, _) in enumerate(seqs):
             tables[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
@@ -61,6 +62,59 @@ class AttentionMetadata:
             block_tables=tables, seq_lens=torch.tensor(lens, dtype=torch.int32),
             query_start_loc=torch.tensor(qsl, dtype=torch.int32), logits_indices=torch.tensor(rows, dtype=torch.int64))
 
+    def to(self, device) -> "AttentionMetadata":
+        return AttentionMetadata(*(getattr(self, f.name).to(device) for f in dataclasses.fields(self)))
+
+    @property
+    def shape(self) -> "StepShape":
+        return StepShape(self.positions.numel(), self.seq_lens.numel(), self.logits_indices.numel(),
+                         self.block_tables.shape[1])
+
+    def padded(self, shape: "StepShape") -> "AttentionMetadata":
+        """The same step stretched to ``shape`` (every field >= this step's), changing no real row.
+
+        Padding tokens go to one extra sequence with no cached keys (its attention output is 0) and
+        write no cache slot (``slot_mapping`` -1); padding sequences are empty; padding logit rows
+        repeat row 0; padding block-table columns are 0. The real rows keep their indices, so the
+        first ``M`` logits of the padded step are this step's.
+        """
+        have = self.shape
+        if have == shape:
+            return self
+        n, s, m, w = have
+        if shape.num_tokens < n or shape.num_logits < m or shape.table_width < w or \
+                shape.num_seqs < s + (shape.num_tokens > n):
+            raise ValueError(f"cannot pad a step of {have} to {shape}")
+
+        def grow(t: torch.Tensor, size: int, value: int) -> torch.Tensor:
+            return torch.cat([t, t.new_full((size - t.shape[0],), value)]) if size > t.shape[0] else t
+
+        tables = self.block_tables
+        if shape.table_width > w or shape.num_seqs > s:
+            tables = tables.new_zeros(shape.num_seqs, shape.table_width)
+            tables[:s, :w] = self.block_tables
+        return AttentionMetadata(
+            positions=grow(self.positions, shape.num_tokens, 0),
+            slot_mapping=grow(self.slot_mapping, shape.num_tokens, -1),
+            block_tables=tables, seq_lens=grow(self.seq_lens, shape.num_seqs, 0),
+            # the first padding sequence owns every padding token; the others are empty
+            query_start_loc=grow(self.query_start_loc, shape.num_seqs + 1, shape.num_tokens),
+            logits_indices=grow(self.logits_indices, shape.num_logits, 0))
+
+
+class StepShape(NamedTuple):
+    """The sizes a compiled step graph is specialized to: tokens N, sequences S, logit rows M and
+    block-table width."""
+
+    num_tokens: int
+    num_seqs: int
+    num_logits: int
+    table_width: int
+
+
+#: static step graphs: a decode of up to b sequences (or a verify of up to b tokens) pads to the
+#: smallest bucket b that holds it; every other step runs the dynamic graph
+DECODE_BUCKETS = (1,)
 
 _CACHE_INPUTS = ("k_cache", "v_cache", "k_scale", "v_scale")  # per-layer graph inputs, in allocation order
 
@@ -142,8 +196,54 @@ class DecoderProgram:
 
     def __call__(self, input_ids: torch.Tensor, meta: AttentionMetadata,
                  kv_cache: list[tuple[torch.Tensor, ...]]) -> torch.Tensor:
-        """Run the stream. ``input_ids [N]`` -> logits ``[M, vocab]`` for ``meta.logits_indices``."""
-        return self.logits_of(self._executable(*self.graph_inputs(input_ids, meta, kv_cache)), meta)
+        """Run the stream. ``input_ids [N]`` -> logits ``[M, vocab]`` for ``meta.logits_indices``.
+
+        Runs the eager lowering until :meth:`compile_steps` has compiled the step graphs."""
+        if self._steps is None:
+            return self.logits_of(self._eager(*self.graph_inputs(input_ids, meta, kv_cache)), meta)
+        key, shape = self._steps.shape_for(meta.shape)
+        padded = meta.padded(shape)
+        n = input_ids.numel()
+        if shape.num_tokens > n:
+            input_ids = torch.cat([input_ids.view(-1), input_ids.new_zeros(shape.num_tokens - n)])
+        out = self._steps(key, self.graph_inputs(input_ids, padded, kv_cache))
+        return self.logits_of(out, padded)[:meta.logits_indices.numel()]
+
+    def compile_steps(self, kv_cache: list[tuple[torch.Tensor, ...]], table_width: int,
+                      buckets: tuple[int, ...] = DECODE_BUCKETS) -> None:
+        """Compile the step graphs of ``options.lowering`` for this cache now (nothing for "eager").
+
+        ``table_width``: the widest block table a step may carry (bucket graphs are specialized
+        to it). After this, every call runs generated code (see :mod:`specgraph.compiler.inductor`)."""
+        if self.lowering == "eager" or self._steps is not None:
+            return
+        from .inductor import StepGraphs
+
+        steps = StepGraphs(self.gm, self._order, self._ids_name, self._len_name, self.lowering, buckets,
+                           dump_dir=self.compiled.context.options.dump_dir)
+
+        def run_padding_step(shape: StepShape) -> None:
+            empty = AttentionMetadata.build([], self.page_size, [])
+            key, _ = steps.shape_for(shape)
+            ids = torch.zeros(shape.num_tokens, dtype=torch.long, device=self.device)
+            steps(key, self.graph_inputs(ids, empty.padded(shape).to(self.device), kv_cache))
+
+        with torch.no_grad():
+            steps.warm_up(run_padding_step, table_width)
+        self._steps = steps
+
+    @property
+    def compiles(self) -> int:
+        """Inductor compiles of the step graphs so far (0 for the eager lowering)."""
+        return self._steps.compiles if self._steps is not None else 0
+
+    @property
+    def lowering(self) -> str:
+        return self.compiled.context.options.lowering
+
+    @property
+    def device(self) -> torch.device:
+        return next(iter(self.gm.parameters()), torch.empty(0)).device
 
     def __post_init__(self) -> None:
         analysis = self.compiled.context.analysis
@@ -152,7 +252,8 @@ class DecoderProgram:
         self._len_name = analysis.seq_len.name if analysis.seq_len is not None else None
         self._order = [n.name for n in self.gm.graph.nodes if n.op == "placeholder"]
         options = self.compiled.context.options
-        self._executable = lower(self.gm, prepack=options.prepack_weights, dump_dir=options.dump_dir)
+        self._eager = lower(self.gm, prepack=options.prepack_weights, dump_dir=options.dump_dir)
+        self._steps = None  # StepGraphs once compile_steps ran
 
 
 def _model_dtype(model: torch.nn.Module) -> torch.dtype:

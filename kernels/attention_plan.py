@@ -62,7 +62,9 @@ def plan_for(block_tables, seq_lens, query_start_loc, positions, page_size: int,
 def build_plan(block_tables, seq_lens, query_start_loc, positions, page_size: int, group: int) -> list[AttentionGroup]:
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
-    runs = [(s, starts[s], starts[s + 1] - starts[s], lens[s]) for s in range(len(lens)) if starts[s + 1] > starts[s]]
+    # a sequence without keys (a step's padding sequence) reads nothing: its rows stay 0
+    runs = [(s, starts[s], starts[s + 1] - starts[s], lens[s]) for s in range(len(lens))
+            if starts[s + 1] > starts[s] and lens[s] > 0]
     short = [r for r in runs if r[2] <= BATCHED_MAX_QUERIES]
     long = [r for r in runs if r[2] > BATCHED_MAX_QUERIES]
     tables = block_tables.long()
@@ -123,7 +125,7 @@ def attend(
     """
     num_tokens, num_heads, head_dim = q.shape
     G = num_heads // kv_heads
-    out = q.new_empty(q.shape)
+    out = q.new_zeros(q.shape)  # rows no group covers (padding tokens) are 0, as in the other kernels
     for grp in plan:
         B, Q, L = grp.batch, grp.num_queries, grp.num_keys
         k, v = gather(grp.slots)

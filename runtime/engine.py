@@ -62,24 +62,28 @@ class Engine:
     num_draft_tokens: k, the drafts verified per target forward.
     self_check: after compiling, compare the incremental program with the cache-free model on random
         ids and raise ``UnsupportedModelError`` on a mismatch (see ``specgraph.compiler.self_check``).
+    lowering: ``"inductor"`` (generated code, compiled here for every step shape, cached on disk),
+        ``"eager"`` or ``"triton-interpret"``; see :class:`~specgraph.BackendOptions`.
     """
 
     def __init__(self, model: torch.nn.Module, tokenizer=None, *, kv_dtype: str = "auto", page_size: int = 16,
                  prefix_caching: bool = True, kv_cache_memory: int = 256 << 20, num_blocks: int | None = None,
                  max_num_seqs: int = 8, max_tokens_per_step: int = 512, passes: Sequence = (),
-                 dump_dir: str | None = None, draft=None, num_draft_tokens: int = 4, self_check: bool = True):
+                 dump_dir: str | None = None, draft=None, num_draft_tokens: int = 4, self_check: bool = True,
+                 lowering: str | None = None):
         self.model, self.tokenizer = model, tokenizer
         options = BackendOptions(kv_dtype=kv_dtype, page_size=page_size, passes=tuple(passes), dump_dir=dump_dir,
-                                 self_check=self_check)
+                                 self_check=self_check, lowering=lowering)
         t0 = time.perf_counter()
         self.program: DecoderProgram = compile_decoder(model, options)
-        self.compile_seconds = time.perf_counter() - t0
         per_block = self.program.kv_bytes_per_token() * page_size
         self.num_blocks = num_blocks if num_blocks is not None else max(2, kv_cache_memory // per_block)
         if self.num_blocks < 2:
             raise ValueError(f"num_blocks must be >= 2 (block 0 is reserved); got {self.num_blocks}")
         device = self.device = next(model.parameters()).device
         self.kv_cache = self.program.new_kv_cache(self.num_blocks, device=device)
+        self.table_width = self.num_blocks - 1  # one sequence may hold every usable block
+        self.program.compile_steps(self.kv_cache, self.table_width)
         self.kv = KVCacheManager(self.num_blocks, page_size, enable_prefix_caching=prefix_caching)
         self.scheduler = Scheduler(self.kv, max_num_seqs=max_num_seqs, max_tokens_per_step=max_tokens_per_step,
                                    on_preempt=self._release_draft_state)
@@ -99,6 +103,7 @@ class Engine:
         self._all_caches = list(self.kv_cache)
         if getattr(self.proposer, "shares_target_cache", True) is False:
             self._all_caches += list(self.proposer.kv_cache)
+        self.compile_seconds = time.perf_counter() - t0  # capture, passes, self-check and step graphs
         self.reset_stats()
 
     # ------------------------------------------------------------------ public
@@ -222,7 +227,8 @@ class Engine:
         ``kv_pool_usage``: fraction of the pool's blocks held by live requests (evictable cached
         blocks do not count); ``preemptions``: running requests pushed back to recompute for lack
         of blocks; ``evictions``: cached blocks handed out again; ``forks`` and ``cow_copies``:
-        samples that shared their prompt's blocks, and shared blocks copied before a write.
+        samples that shared their prompt's blocks, and shared blocks copied before a write;
+        ``recompiles``: step graphs compiled after the engine was built (0 in steady state).
         """
         s = dict(self._stats)
         s["prefix_cache_hit_rate"] = self.kv.prefix_cache_hit_rate
@@ -246,8 +252,10 @@ class Engine:
         self._counter_base = self._counters()
 
     def _counters(self) -> dict[str, int]:
+        drafter = getattr(self.proposer, "program", None)
         return dict(preemptions=self.scheduler.preemptions, evictions=self.kv.block_pool.num_evictions,
-                    forks=self.scheduler.forks, cow_copies=self.kv.num_cow_copies)
+                    forks=self.scheduler.forks, cow_copies=self.kv.num_cow_copies,
+                    recompiles=self.program.compiles + (drafter.compiles if drafter is not None else 0))
 
     # ---------------------------------------------------------------- internals
     def _new_id(self) -> int:

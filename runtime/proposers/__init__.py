@@ -21,13 +21,14 @@ def make_proposer(draft, engine: "Engine") -> Proposer:
     from .model import ModelProposer, first_layers
     from .ngram import NgramProposer
 
-    options = BackendOptions(page_size=engine.page_size)
+    options = BackendOptions(page_size=engine.page_size, lowering=engine.program.lowering)
     if isinstance(draft, torch.nn.Module):
         program = compile_decoder(draft, options)
         if program.vocab_size != engine.program.vocab_size:
             raise ValueError(f"draft model vocabulary {program.vocab_size} != target vocabulary "
                              f"{engine.program.vocab_size}; speculative decoding needs the same tokenizer")
         cache = program.new_kv_cache(engine.num_blocks, device=engine.device)
+        program.compile_steps(cache, engine.table_width)
         return ModelProposer("draft_model", program, cache, engine.kv, engine.page_size, shares_target_cache=False)
     if isinstance(draft, Proposer):
         return draft
@@ -42,6 +43,7 @@ def make_proposer(draft, engine: "Engine") -> Proposer:
         keep = int(arg)
         model = first_layers(engine.model, engine.program.num_layers, keep)
         program = compile_decoder(model, options)
+        program.compile_steps(engine.kv_cache[:keep], engine.table_width)
         return ModelProposer(draft, program, engine.kv_cache[:keep], engine.kv, engine.page_size,
                              shares_target_cache=True)
     raise ValueError(f"draft={draft!r} is not supported; valid: {', '.join(SPECS)}")

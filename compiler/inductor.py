@@ -1,0 +1,259 @@
+"""Generated code for the decode step: the transformed graph compiled by Inductor, per step shape.
+
+The eager lowering (:mod:`.lowering`) runs the graph op by op from Python, about 1,600 ATen calls
+per SmolLM2 step. Here Inductor compiles it instead: C++/OpenMP on CPU (``lowering="inductor"``),
+Triton on CUDA, or Triton run by the interpreter on CPU tensors (``lowering="triton-interpret"``,
+how CI proves the whole decoder lowers to Triton). The ``specgraph::`` kernel ops stay extern
+calls, dispatched by :mod:`.lowering`'s op registry; Inductor freezes the weights (and prepacks
+the linears for oneDNN on CPU).
+
+Shapes. A step's graph is specialized to a :class:`~.program.StepShape` and every step is padded
+to one (``AttentionMetadata.padded``), so steady-state generation never recompiles:
+
+* one static graph per bucket ``b`` in ``buckets``: ``b`` tokens, ``b`` sequences, ``b`` logit
+  rows and the widest block table (decodes of up to ``b`` sequences, short verifies);
+* one dynamic graph for every other step (prefill chunks, large batches): tokens, sequences,
+  logit rows and table width symbolic, each padded to at least 2 (Dynamo specializes sizes 0 and 1).
+
+:meth:`StepGraphs.warm_up` compiles them all when the engine is built; ``compiles`` counts every
+Inductor compile, so a compile after warm-up shows as a recompile in ``engine.stats``. Compiled
+code is cached on disk by Inductor's FX graph cache (``$TORCHINDUCTOR_CACHE_DIR``, by default
+``~/.cache/specgraph/inductor``), so a second process on the same machine reuses it.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.fx as fx
+
+from ..kernels.config import use_triton_kernels
+from .dump import Dumper
+from .passes import copy_graph_module
+
+_STREAM_INPUTS = ("positions", "slot_mapping", "block_tables", "seq_lens", "query_start_loc", "logits_indices")
+_CACHE_DIR_ENV = "TORCHINDUCTOR_CACHE_DIR"
+
+
+def default_cache_dir() -> str:
+    return os.path.join(os.path.expanduser("~"), ".cache", "specgraph", "inductor")
+
+
+@contextlib.contextmanager
+def persistent_cache():
+    """Inductor's on-disk caches in a folder that outlives ``/tmp``, unless the user chose one
+    (Inductor itself writes its ``/tmp`` default into the variable on first use)."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir as torch_default
+
+    before = os.environ.get(_CACHE_DIR_ENV)
+    if before is not None and os.path.abspath(before) != os.path.abspath(torch_default()):
+        yield  # the user's choice
+        return
+    os.environ[_CACHE_DIR_ENV] = default_cache_dir()
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(_CACHE_DIR_ENV, None)
+        else:
+            os.environ[_CACHE_DIR_ENV] = before
+
+
+def _inductor_config(lowering: str) -> dict:
+    config = {"freezing": True, "fx_graph_cache": True}
+    if lowering == "triton-interpret":
+        config["cpu_backend"] = "triton"
+    return config
+
+
+def _shim_triton_interpreter() -> None:
+    """Two shims Inductor's Triton code needs to run in the interpreter (FEASIBILITY.md Q5).
+
+    1. Codegen hashes the active Triton driver; the interpreter has none (``0 active drivers``).
+    2. The interpreter implements ``tl.math`` but its ``libdevice`` functions are stubs that return
+       None; Inductor's kernels call ``libdevice.exp``, ``libdevice.rsqrt``, ...: point each one at
+       ``tl.math.<fn>``.
+    ``tests/test_inductor_lowering.py`` checks in a fresh process that each is still needed.
+    """
+    import torch.utils._triton as triton_utils
+    from torch._inductor.runtime import triton_compat, triton_helpers
+
+    if not getattr(triton_utils.triton_hash_with_backend, "specgraph_shim", False):
+        def triton_hash_with_backend() -> str:
+            return "specgraph-triton-interpreter"
+
+        triton_hash_with_backend.specgraph_shim = True
+        triton_utils.triton_hash_with_backend = triton_hash_with_backend
+    if not isinstance(triton_helpers.libdevice, _MathAsLibdevice):  # generated kernels import it from here
+        triton_compat.libdevice = triton_helpers.libdevice = _MathAsLibdevice()
+
+
+class _MathAsLibdevice:
+    """``libdevice.fn`` -> ``tl.math.fn`` (the interpreter's libdevice functions are stubs)."""
+
+    def __getattr__(self, name):
+        import triton.language as tl
+
+        return getattr(tl.math, name)
+
+
+class StepGraphs:
+    """Compiled step graphs of one decoder program (see module docstring)."""
+
+    def __init__(self, gm: fx.GraphModule, placeholder_order: list[str], ids_name: str, len_name: str | None,
+                 lowering: str, buckets: tuple[int, ...], dump_dir: str | None = None):
+        if lowering not in ("inductor", "triton-interpret"):
+            raise ValueError(f"StepGraphs compiles the inductor lowerings; got {lowering!r}")
+        self.lowering = lowering
+        self.buckets = tuple(sorted(set(buckets)))
+        self.compiles = 0  # Inductor compiles, warm-up included
+        self.compile_seconds = 0.0
+        self.dump_dir = dump_dir
+        self._keep = [i for i, name in enumerate(placeholder_order) if name != len_name]
+        self._names = [placeholder_order[i] for i in self._keep]
+        self._ids_name = ids_name
+        self._base = _tensor_inputs_only(gm, ids_name, len_name)
+        self._graphs: dict[object, Callable] = {}  # bucket size or "dynamic" -> compiled callable
+        self._table_width: int | None = None
+
+    # ----------------------------------------------------------------- shapes
+    def shape_for(self, have) -> tuple[object, "object"]:
+        """The graph key and the padded shape that serves a step of shape ``have``."""
+        from .program import StepShape
+
+        n, s, m, w = have
+        width = self._table_width or w
+        for b in self.buckets:
+            if n <= b and w <= width:
+                return b, StepShape(b, b, b, width)
+        pad_seq = 1 if n < 2 else 0  # the padding token needs a padding sequence
+        return "dynamic", StepShape(max(n, 2), max(s + pad_seq, 2), max(m, 2), max(w, 2))
+
+    def warm_up(self, run_padding_step: Callable[[object], None], table_width: int) -> None:
+        """Compile every graph now. ``run_padding_step(shape)`` runs a step of that shape made only of
+        padding (it writes no cache slot). Bucket graphs are specialized to ``table_width`` columns."""
+        from .program import StepShape
+
+        from tqdm.auto import tqdm
+
+        self._table_width = table_width
+        shapes = [StepShape(b, b, b, table_width) for b in self.buckets]
+        shapes.append(StepShape(7, 3, 5, 4))  # the dynamic graph; distinct sizes: none taken for another
+        # a bar on a terminal only (disable=None); a cold compile of a 135M model takes minutes
+        for shape in tqdm(shapes, desc=f"specgraph: compiling step graphs ({self.lowering})", unit="graph",
+                          disable=None, leave=False, file=sys.stderr):
+            run_padding_step(shape)
+
+    # ----------------------------------------------------------------- running
+    def __call__(self, key, values: list):
+        """Run graph ``key`` on a padded step's placeholder values (all of them, in program order)."""
+        inputs = [values[i] for i in self._keep]
+        fn = self._graphs.get(key)
+        if fn is None:
+            fn = self._graphs[key] = self._compile(key)
+            if key == "dynamic":
+                self._mark_dynamic(inputs)
+        with torch.no_grad(), use_triton_kernels(self.lowering == "triton-interpret"):
+            return fn(*inputs)
+
+    def _mark_dynamic(self, inputs: list) -> None:
+        """Tokens, sequences, logit rows and table width are symbolic in the dynamic graph."""
+        by_name = dict(zip(self._names, inputs))
+        torch._dynamo.mark_dynamic(by_name[self._ids_name], 1)
+        for name, t in by_name.items():
+            if name in _STREAM_INPUTS:
+                for dim in range(t.dim()):
+                    torch._dynamo.mark_dynamic(t, dim)
+
+    def _compile(self, key) -> Callable:
+        gm = copy_graph_module(self._base)
+        lowering = self.lowering
+
+        def backend(graph, example_inputs):
+            import time
+
+            from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+            outputs = []
+
+            def inner(*args, **kwargs):
+                out = compile_fx_inner(*args, **kwargs)
+                outputs.append(out)
+                return out
+
+            t0 = time.perf_counter()
+            with torch._inductor.config.patch(_inductor_config(lowering)):
+                if lowering == "triton-interpret":
+                    _shim_triton_interpreter()
+                compiled = compile_fx(graph, example_inputs, inner_compile=inner)
+            self.compiles += 1
+            self.compile_seconds += time.perf_counter() - t0
+            if self.dump_dir:
+                self._dump(key, graph, outputs)
+            return compiled
+
+        compiled = torch.compile(gm, backend=backend, fullgraph=True, dynamic=False if key != "dynamic" else None)
+
+        def run(*inputs):
+            # equal sizes (N == S at a decode) must stay distinct symbols: no duck shaping
+            with persistent_cache(), torch._dynamo.config.patch(recompile_limit=1 << 20, accumulated_recompile_limit=1 << 20), \
+                    torch.fx.experimental._config.patch(use_duck_shape=False):
+                return compiled(*inputs)
+
+        return run
+
+    # ----------------------------------------------------------------- dumps
+    def _dump(self, key, graph: fx.GraphModule, outputs: list) -> None:
+        dumper = Dumper(self.dump_dir)
+        stem = f"{self.lowering.replace('-', '_')}_{key if key == 'dynamic' else f'bucket{key}'}"
+        sources = [getattr(o, "source_code", None) for o in outputs]
+        code = "\n\n".join(s for s in sources if s)
+        if not code:
+            return
+        dumper.write(f"{stem}.py", code)
+        dumper.write(f"{stem}_index.json", json.dumps(kernel_index(code), indent=1, sort_keys=True))
+
+
+_SOURCE_NODES = re.compile(r"#\s*Topologically Sorted Source Nodes:\s*\[([^\]]*)\]")
+_KERNEL_CALL = re.compile(r"\b(cpp_fused_\w+|triton_\w+|extern_kernels\.\w+|torch\.ops\.[\w.]+)(?:\.run)?\(")
+
+
+def kernel_index(code: str) -> dict[str, list[str]]:
+    """Graph node name -> the generated kernels and extern calls that compute it, read from
+    Inductor's output code (each call in its ``call()`` is preceded by a comment
+    ``# Topologically Sorted Source Nodes: [a, b, ...]``)."""
+    index: dict[str, list[str]] = {}
+    nodes: list[str] = []
+    for line in code.splitlines():
+        m = _SOURCE_NODES.search(line)
+        if m:
+            nodes = [x.strip() for x in m.group(1).split(",") if x.strip()]
+            continue
+        for kernel in _KERNEL_CALL.findall(line) if nodes else ():
+            for node in nodes:
+                if kernel not in index.setdefault(node, []):
+                    index[node].append(kernel)
+    return index
+
+
+def _tensor_inputs_only(gm: fx.GraphModule, ids_name: str, len_name: str | None) -> fx.GraphModule:
+    """A copy of ``gm`` whose sequence-length int input is read from the ids' shape instead (Dynamo
+    would specialize an int argument; a tensor dim it treats as the marked size)."""
+    gm = copy_graph_module(gm)
+    if len_name is None:
+        return gm
+    graph = gm.graph
+    nodes = {n.name: n for n in graph.nodes if n.op == "placeholder"}
+    first_op = next(n for n in graph.nodes if n.op != "placeholder")
+    with graph.inserting_before(first_op):
+        size = graph.call_function(torch.ops.aten.sym_size.int, (nodes[ids_name], 1))
+    nodes[len_name].replace_all_uses_with(size)
+    graph.erase_node(nodes[len_name])
+    gm.recompile()
+    return gm
