@@ -30,9 +30,11 @@ class CompiledGraph:
     gm: fx.GraphModule
     context: PassContext
     capture_seconds: float
+    generated: Callable | None = None  # the gm compiled by Inductor (lowering != "eager")
 
     def __call__(self, *dynamo_args: Any):
-        return self.gm(*self.captured.select_inputs(dynamo_args))
+        inputs = self.captured.select_inputs(dynamo_args)
+        return self.generated(*inputs) if self.generated is not None else self.gm(*inputs)
 
 
 def run_capture_pipeline(dynamo_gm: fx.GraphModule, example_inputs: list, options: BackendOptions,
@@ -58,6 +60,13 @@ class SpecgraphBackend:
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list) -> Callable:
         compiled = run_capture_pipeline(gm, example_inputs, self.options)
+        if self.options.lowering != "eager":
+            from .inductor import compile_graph
+
+            # the placeholders' fake values carry Dynamo's symbolic sizes: one graph for every length
+            fakes = [n.meta["val"] for n in compiled.gm.graph.nodes if n.op == "placeholder"]
+            compiled.generated = compile_graph(compiled.gm, fakes, self.options.lowering, self.options.dump_dir,
+                                               name="backend")
         self.compiled.append(compiled)
         return compiled
 

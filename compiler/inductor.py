@@ -27,7 +27,7 @@ import json
 import os
 import re
 import sys
-from pathlib import Path
+import time
 from typing import Callable
 
 import torch
@@ -119,7 +119,9 @@ class StepGraphs:
         self._names = [placeholder_order[i] for i in self._keep]
         self._ids_name = ids_name
         self._base = _tensor_inputs_only(gm, ids_name, len_name)
-        self._graphs: dict[object, Callable] = {}  # bucket size or "dynamic" -> compiled callable
+        self._graphs: dict[object, Callable] = {}  # (bucket size or "dynamic", cache size) -> compiled
+        caches = [i for i, name in enumerate(self._names) if name.startswith("k_cache")]
+        self._first_cache = caches[0] if caches else None
         self._table_width: int | None = None
 
     # ----------------------------------------------------------------- shapes
@@ -152,72 +154,77 @@ class StepGraphs:
 
     # ----------------------------------------------------------------- running
     def __call__(self, key, values: list):
-        """Run graph ``key`` on a padded step's placeholder values (all of them, in program order)."""
+        """Run graph ``key`` on a padded step's placeholder values (all of them, in program order).
+
+        A graph is compiled per (key, cache size): a program called with a cache of another size
+        compiles again (counted in ``compiles``) rather than failing Inductor's size asserts."""
         inputs = [values[i] for i in self._keep]
-        fn = self._graphs.get(key)
-        if fn is None:
-            fn = self._graphs[key] = self._compile(key)
-            if key == "dynamic":
-                self._mark_dynamic(inputs)
+        full_key = (key, tuple(inputs[self._first_cache].shape)) if self._first_cache is not None else key
+        fn = self._graphs.get(full_key)
         with torch.no_grad(), use_triton_kernels(self.lowering == "triton-interpret"):
+            if fn is None:
+                fn = self._graphs[full_key] = self._compile(key, inputs)
             return fn(*inputs)
 
-    def _mark_dynamic(self, inputs: list) -> None:
-        """Tokens, sequences, logit rows and table width are symbolic in the dynamic graph."""
-        by_name = dict(zip(self._names, inputs))
-        torch._dynamo.mark_dynamic(by_name[self._ids_name], 1)
-        for name, t in by_name.items():
-            if name in _STREAM_INPUTS:
-                for dim in range(t.dim()):
-                    torch._dynamo.mark_dynamic(t, dim)
-
-    def _compile(self, key) -> Callable:
+    def _compile(self, key, inputs: list) -> Callable:
+        """``compile_fx`` straight on the graph (no Dynamo: the graph is already captured, and
+        Inductor then sees the weights as the module's constants, freezes and prepacks them)."""
+        t0 = time.perf_counter()
+        name = f"bucket{key}" if key != "dynamic" else "dynamic"
         gm = copy_graph_module(self._base)
-        lowering = self.lowering
+        if key == "dynamic":
+            fake_mode, examples = _symbolic_inputs(inputs, self._names, self._ids_name)
+            with torch._guards.tracing(torch._guards.TracingContext(fake_mode)):
+                compiled = compile_graph(gm, examples, self.lowering, self.dump_dir, name)
+        else:
+            compiled = compile_graph(gm, inputs, self.lowering, self.dump_dir, name)
+        self.compiles += 1
+        self.compile_seconds += time.perf_counter() - t0
+        return compiled
 
-        def backend(graph, example_inputs):
-            import time
 
-            from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+def _symbolic_inputs(inputs: list, names: list[str], ids_name: str):
+    """Fake example inputs whose stream sizes (tokens, sequences, logit rows, table width) are
+    distinct symbols, every other size static."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 
-            outputs = []
+    fake_mode = FakeTensorMode(shape_env=ShapeEnv(duck_shape=False), allow_non_fake_inputs=True)
+    examples = []
+    for name, value in zip(names, inputs):
+        if not isinstance(value, torch.Tensor):
+            examples.append(value)
+            continue
+        dynamic = range(value.dim()) if name in _STREAM_INPUTS else (1,) if name == ids_name else ()
+        sizes = [DimDynamic.DYNAMIC if d in dynamic else DimDynamic.STATIC for d in range(value.dim())]
+        examples.append(fake_mode.from_tensor(value, symbolic_context=StatelessSymbolicContext(dynamic_sizes=sizes)))
+    return fake_mode, examples
 
-            def inner(*args, **kwargs):
-                out = compile_fx_inner(*args, **kwargs)
-                outputs.append(out)
-                return out
 
-            t0 = time.perf_counter()
-            with torch._inductor.config.patch(_inductor_config(lowering)):
-                if lowering == "triton-interpret":
-                    _shim_triton_interpreter()
-                compiled = compile_fx(graph, example_inputs, inner_compile=inner)
-            self.compiles += 1
-            self.compile_seconds += time.perf_counter() - t0
-            if self.dump_dir:
-                self._dump(key, graph, outputs)
-            return compiled
+def compile_graph(gm: fx.GraphModule, example_inputs: list, lowering: str, dump_dir: str | None,
+                  name: str) -> Callable:
+    """``compile_fx`` under the lowering's Inductor settings; with ``dump_dir``, the generated code
+    is written there as ``<lowering>_<name>.py`` beside ``<lowering>_<name>_index.json``."""
+    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
-        compiled = torch.compile(gm, backend=backend, fullgraph=True, dynamic=False if key != "dynamic" else None)
+    outputs = []
 
-        def run(*inputs):
-            # equal sizes (N == S at a decode) must stay distinct symbols: no duck shaping
-            with persistent_cache(), torch._dynamo.config.patch(recompile_limit=1 << 20, accumulated_recompile_limit=1 << 20), \
-                    torch.fx.experimental._config.patch(use_duck_shape=False):
-                return compiled(*inputs)
+    def inner(*args, **kwargs):
+        out = compile_fx_inner(*args, **kwargs)
+        outputs.append(out)
+        return out
 
-        return run
-
-    # ----------------------------------------------------------------- dumps
-    def _dump(self, key, graph: fx.GraphModule, outputs: list) -> None:
-        dumper = Dumper(self.dump_dir)
-        stem = f"{self.lowering.replace('-', '_')}_{key if key == 'dynamic' else f'bucket{key}'}"
-        sources = [getattr(o, "source_code", None) for o in outputs]
-        code = "\n\n".join(s for s in sources if s)
-        if not code:
-            return
+    with persistent_cache(), torch._inductor.config.patch(_inductor_config(lowering)):
+        if lowering == "triton-interpret":
+            _shim_triton_interpreter()
+        compiled = compile_fx(gm, example_inputs, inner_compile=inner)
+    code = "\n\n".join(s for s in (getattr(o, "source_code", None) for o in outputs) if s)
+    if dump_dir and code:
+        stem = f"{lowering.replace('-', '_')}_{name}"
+        dumper = Dumper(dump_dir)
         dumper.write(f"{stem}.py", code)
         dumper.write(f"{stem}_index.json", json.dumps(kernel_index(code), indent=1, sort_keys=True))
+    return compiled
 
 
 _SOURCE_NODES = re.compile(r"#\s*Topologically Sorted Source Nodes:\s*\[([^\]]*)\]")

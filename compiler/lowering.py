@@ -1,11 +1,13 @@
 """Lowering: the ``specgraph::`` ops of a decoder graph -> direct calls of their implementations.
 
 The passes emit opaque custom ops (``torch.ops.specgraph.*``) so the graph stays traceable by
-FakeTensor, Inductor and torch-mlir. To *run* it we replace each op by a plain function that
-picks the implementation per call: the Triton launcher for CUDA tensors (or on CPU inside
-``use_triton_kernels()``, through the interpreter) and the pure-torch reference otherwise. This
-skips the custom-op dispatcher's Python layers (about 0.1 ms per call, 60 calls per SmolLM2
-step). New kernels register here with :func:`register_lowering`.
+FakeTensor, Inductor and torch-mlir. The eager lowering (``lowering="eager"``, the reference
+path) runs the graph op by op, with each specgraph op replaced by a plain function that calls
+the kernel registry (``kernels/registry.py``: Triton for CUDA tensors or when forced, the C++
+kernel for CPU decodes, the torch reference otherwise). This skips the custom-op dispatcher's
+Python layers (about 0.1 ms per call, 60 calls per SmolLM2 step). New kernels register their
+implementations in the registry; nothing here changes. (The Inductor lowerings,
+:mod:`.inductor`, keep the custom ops as extern calls, whose bodies call the same registry.)
 
 On CPU, float32 ``aten.linear`` calls on constant weights also become oneDNN linears over
 weights reordered once, here (``prepack=True``): for the few-row GEMMs of decoding (1-16 rows)
@@ -21,38 +23,33 @@ from typing import Callable
 import torch
 import torch.fx as fx
 
-from ..kernels import quant_cache_write, quant_paged_attention
-from ..kernels.cache_write import cache_write_ref, cache_write_triton
-from ..kernels import cpu_attention
-from ..kernels.config import use_triton_for
-from ..kernels.paged_attention import paged_attention_triton
+from ..kernels import cpu_kernels
+from ..kernels.registry import dispatch, implementations
 from ..passes.graph_utils import attr_value
 from .dump import Dumper
 from .passes import copy_graph_module
 
-_LOWERINGS: dict[object, Callable] = {}
+_DIRECT: dict[str, Callable] = {}
 
 
-def register_lowering(op, reference: Callable, triton_impl: Callable | None) -> None:
-    """Run ``op`` as ``reference`` on CPU and ``triton_impl`` on CUDA (or when Triton is forced)."""
+def direct_call(op: str) -> Callable:
+    """A plain function running ``specgraph::<op>`` through the kernel registry (no custom-op layers)."""
+    if op not in _DIRECT:
+        implementations(op)  # a clear KeyError for an op nothing implements
 
-    def dispatch(*args):
-        return (triton_impl if triton_impl is not None and use_triton_for(args[0]) else reference)(*args)
+        def run(*args):
+            return dispatch(op, *args)
 
-    dispatch.__name__ = f"{getattr(op, '__name__', 'op').split('.')[0]}_impl"
-    _LOWERINGS[op] = dispatch
+        run.__name__ = f"{op}_impl"
+        _DIRECT[op] = run
+    return _DIRECT[op]
 
 
-register_lowering(torch.ops.specgraph.cache_write.default, cache_write_ref, cache_write_triton)
-register_lowering(torch.ops.specgraph.paged_attention.default, cpu_attention.paged_attention_cpu,
-                  paged_attention_triton)
-for _scheme in ("fp8", "int4"):
-    register_lowering(getattr(torch.ops.specgraph, f"cache_write_{_scheme}").default,
-                      getattr(quant_cache_write, f"cache_write_{_scheme}_ref"),
-                      getattr(quant_cache_write, f"cache_write_{_scheme}_triton"))
-    register_lowering(getattr(torch.ops.specgraph, f"paged_attention_{_scheme}").default,
-                      getattr(quant_paged_attention, f"paged_attention_{_scheme}_ref"),
-                      getattr(quant_paged_attention, f"paged_attention_{_scheme}_triton"))
+def _specgraph_op(target) -> str | None:
+    """``torch.ops.specgraph.<op>.default`` -> ``"<op>"`` (None for any other target)."""
+    if isinstance(target, torch._ops.OpOverload) and target.namespace == "specgraph":
+        return target._opname
+    return None
 
 
 def lower(gm: fx.GraphModule, prepack: bool = True, dump_dir: str | None = None) -> fx.GraphModule:
@@ -61,22 +58,23 @@ def lower(gm: fx.GraphModule, prepack: bool = True, dump_dir: str | None = None)
     With ``dump_dir``, the C++ source of the CPU attention kernel is written there when it is used."""
     lowered = copy_graph_module(gm)
     for node in lowered.graph.nodes:
-        if node.op == "call_function" and node.target in _LOWERINGS:
-            node.target = _LOWERINGS[node.target]
+        op = _specgraph_op(node.target) if node.op == "call_function" else None
+        if op is not None:
+            node.target = direct_call(op)
     if prepack and onednn_available():
         prepack_linears(lowered)
-    if _runs_cpu_attention(lowered):
-        cpu_attention.build_now()  # compile the C++ kernel here, not in the middle of the first request
+    if _runs_cpu_kernels(lowered):
+        cpu_kernels.build_now()  # compile the C++ kernels here, not in the middle of the first request
         if dump_dir:
-            Dumper(dump_dir).write("cpu_attention.cpp", cpu_attention.CPP_SOURCE)
+            Dumper(dump_dir).write("cpu_kernels.cpp", cpu_kernels.CPP_SOURCE)
     lowered.recompile()
     return lowered
 
 
-def _runs_cpu_attention(gm: fx.GraphModule) -> bool:
+def _runs_cpu_kernels(gm: fx.GraphModule) -> bool:
     targets = {n.target for n in gm.graph.nodes if n.op == "call_function"}
     on_cpu = all(t.device.type == "cpu" for t in gm.parameters()) and all(t.device.type == "cpu" for t in gm.buffers())
-    return _LOWERINGS[torch.ops.specgraph.paged_attention.default] in targets and on_cpu
+    return direct_call("paged_attention") in targets and on_cpu
 
 
 def onednn_available() -> bool:

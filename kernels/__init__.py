@@ -5,6 +5,8 @@ Importing this package registers ``torch.ops.specgraph.cache_write`` and
 because their names would shadow the ``cache_write`` / ``paged_attention`` submodules),
 and their quantized-cache twins ``cache_write_{fp8,int4}`` / ``paged_attention_{fp8,int4}``
 (``quant_ops.py``; schemes, layouts and the ``QUANT_SCHEMES`` registry in ``quant.py``).
+Each op's implementations (Triton, C++ for CPU, torch reference) register in ``registry.py``,
+whose ``select`` is the one rule that picks an implementation per call.
 Set ``TRITON_INTERPRET=1`` *before* the first import to run the Triton kernels on CPU
 tensors (tests only; see ``config.py``).
 """
@@ -16,6 +18,7 @@ tensors (tests only; see ``config.py``).
 if __name__ == "specgraph.kernels":
     from . import ops  # noqa: F401  (registers the specgraph:: ops)
     from . import quant_ops  # noqa: F401  (registers the quantized-cache specgraph:: ops)
+    from . import registry
     from .cache_write import cache_write_ref, cache_write_triton
     from .config import triton_kernels_forced, use_triton_kernels
     from .paged_attention import paged_attention_ref, paged_attention_triton
@@ -32,6 +35,7 @@ if __name__ == "specgraph.kernels":
         "paged_attention_ref",
         "paged_attention_triton",
         "quant_ops",
+        "registry",
         "triton_kernels_forced",
         "use_triton_kernels",
     ]

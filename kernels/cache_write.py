@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from .triton_helpers import cast, check_launchable, is_interpreted
+from .registry import register
 
 CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -67,7 +68,7 @@ def drop_padding(
     return (slots[keep], *(r[keep] for r in rows))
 
 
-def _check_args(k, v, k_cache, v_cache, slot_mapping) -> None:
+def check_cache_write_args(k, v, k_cache, v_cache, slot_mapping) -> None:
     """Validate shapes/dtypes/devices; raises ``ValueError`` with the offending value."""
     if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
         raise ValueError(
@@ -104,7 +105,7 @@ def cache_write_ref(
     >>> kc.view(-1, 1, 2)[5].tolist()
     [[1.0, 1.0]]
     """
-    _check_args(k, v, k_cache, v_cache, slot_mapping)
+    check_cache_write_args(k, v, k_cache, v_cache, slot_mapping)
     kv_heads, head_dim = k_cache.shape[2:]
     slots, k, v = drop_padding(slot_mapping, k, v)
     k_cache.view(-1, kv_heads, head_dim).index_copy_(0, slots, k.to(k_cache.dtype))
@@ -123,7 +124,7 @@ def cache_write_triton(
     One program per (token, kv head) copies one ``head_dim`` row. ``k``/``v`` may be
     strided but their last dim must be contiguous.
     """
-    _check_args(k, v, k_cache, v_cache, slot_mapping)
+    check_cache_write_args(k, v, k_cache, v_cache, slot_mapping)
     if k.stride(-1) != 1 or v.stride(-1) != 1:
         raise ValueError("k and v must be contiguous in head_dim (stride(-1) == 1)")
     num_tokens, kv_heads, head_dim = k.shape
@@ -165,3 +166,7 @@ def _cache_write_kernel(
     v = tl.load(v_ptr + tok * stride_vn + head * stride_vh + offs_d, mask=mask)
     tl.store(k_cache_ptr + dst, cast(k, k_cache_ptr.dtype.element_ty, INTERPRETER), mask=mask)
     tl.store(v_cache_ptr + dst, cast(v, v_cache_ptr.dtype.element_ty, INTERPRETER), mask=mask)
+
+
+register("cache_write", "reference", cache_write_ref, ("cpu", "cuda"))
+register("cache_write", "triton", cache_write_triton, ("cuda",), priority=10)

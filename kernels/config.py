@@ -4,7 +4,7 @@ The ``specgraph::`` ops (see ``ops.py``) pick an implementation per call:
 
 * CUDA tensors always run the Triton launcher;
 * CPU tensors run the CPU path (the ``*_ref`` torch code; for float32 paged attention
-  ``cpu_attention.paged_attention_cpu``, which adds a C++ kernel for decodes), unless the caller
+  the C++ kernels of ``cpu_kernels.py`` where they apply), unless the caller
   forces the Triton launcher with :func:`use_triton_kernels`. On CPU that only works
   under ``TRITON_INTERPRET=1``; tests use it to run the real kernels in the interpreter.
 

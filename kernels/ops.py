@@ -5,9 +5,8 @@
 * ``torch.ops.specgraph.paged_attention(q, k_cache, v_cache, block_tables, seq_lens,
   query_start_loc, positions, scale) -> Tensor``
 
-Dispatch per call: CUDA tensors -> Triton launcher; CPU tensors -> the ``*_ref`` torch
-code (for paged attention over float32 caches: ``cpu_attention.paged_attention_cpu``, a C++
-kernel for decode/verify steps), or the Triton launcher inside ``config.use_triton_kernels()``.
+Each body hands the call to ``registry.dispatch``, the one rule that picks an implementation
+(Triton on CUDA or when forced, the C++ kernel for CPU decodes, else the torch reference).
 
 These are opaque ``custom_op``s rather than ``triton_op``s: under ``TRITON_INTERPRET=1``
 ``wrap_triton`` cannot be traced (FEASIBILITY.md Q4), while an opaque op + ``register_fake``
@@ -18,10 +17,10 @@ from __future__ import annotations
 
 import torch
 
-from .cache_write import cache_write_ref, cache_write_triton
-from .config import use_triton_for as _use_triton
-from .cpu_attention import paged_attention_cpu
-from .paged_attention import paged_attention_triton
+from . import cache_write as _cache_write  # noqa: F401  (each kernel module registers its implementations)
+from . import cpu_kernels as _cpu_kernels  # noqa: F401
+from . import paged_attention as _paged_attention  # noqa: F401
+from .registry import dispatch
 
 
 @torch.library.custom_op("specgraph::cache_write", mutates_args=("k_cache", "v_cache"))
@@ -33,8 +32,7 @@ def cache_write(
     slot_mapping: torch.Tensor,  # [N] int64, < 0 = skip
 ) -> None:
     """Write ``k``/``v`` into the caches at ``slot_mapping`` (see ``cache_write.py``)."""
-    impl = cache_write_triton if _use_triton(k) else cache_write_ref
-    impl(k, v, k_cache, v_cache, slot_mapping)
+    dispatch("cache_write", k, v, k_cache, v_cache, slot_mapping)
 
 
 @cache_write.register_fake
@@ -54,8 +52,7 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:  # [N, num_heads, head_dim], q.dtype, contiguous
     """Causal paged attention of a flat token stream (see ``paged_attention.py``)."""
-    impl = paged_attention_triton if _use_triton(q) else paged_attention_cpu
-    return impl(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, positions, scale)
+    return dispatch("paged_attention", q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, positions, scale)
 
 
 @paged_attention.register_fake

@@ -18,7 +18,7 @@ GQA
     query head ``h`` uses kv head ``h // G`` with ``G = num_heads // kv_heads``.
 
 ``paged_attention_ref`` is the pure-torch reference, and the CPU path wherever the C++ kernel of
-``cpu_attention.py`` does not pay: a few gathers and SDPA calls per step (``attention_plan.py``).
+``cpu_kernels.py`` does not pay: a few gathers and SDPA calls per step (``attention_plan.py``).
 ``paged_attention_triton`` launches ``_paged_attention_kernel``: one program per (token, kv head), handling that kv head's ``G`` query heads with an online softmax
 over ``BLOCK_N``-token key tiles (tiles may span pages; each key's block is looked up
 through the block table).
@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from .attention_plan import attend, plan_for
+from .registry import register
 from .triton_helpers import cast, check_launchable, dot, is_interpreted
 
 CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -116,7 +117,7 @@ def paged_attention_ref(
     positions: torch.Tensor,  # [N] int64, position of each query token in its sequence
     scale: float,
 ) -> torch.Tensor:  # [N, num_heads, head_dim], q.dtype
-    """Pure-torch paged attention, computed in float32 (the reference; see ``cpu_attention.py`` for
+    """Pure-torch paged attention, computed in float32 (the reference; see ``cpu_kernels.py`` for
     the CPU dispatch).
 
     Decodes and short verifies of all sequences: one gather of their cache slots and one
@@ -299,3 +300,6 @@ def _paged_attention_kernel(
     o = cast(o, out_ptr.dtype.element_ty, INTERPRETER)
     tl.store(out_ptr + o_off, o, mask=mask_g[:, None] & mask_d[None, :])
 
+
+register("paged_attention", "reference", paged_attention_ref, ("cpu", "cuda"))
+register("paged_attention", "triton", paged_attention_triton, ("cuda",), priority=10)

@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from .cache_write import check_token_args, drop_padding
+from .registry import register
 from .quant import (
     FP8_MAX,
     FP16_MAX,
@@ -259,3 +260,8 @@ def _fp16_round_up(x):
     bits = h.to(tl.int16, bitcast=True).to(tl.int32)
     bits = tl.where(h.to(tl.float32) < x, bits + 1, bits)
     return bits.to(tl.int16).to(tl.float16, bitcast=True)
+
+
+for _scheme in ("fp8", "int4"):
+    register(f"cache_write_{_scheme}", "reference", globals()[f"cache_write_{_scheme}_ref"], ("cpu", "cuda"))
+    register(f"cache_write_{_scheme}", "triton", globals()[f"cache_write_{_scheme}_triton"], ("cuda",), priority=10)

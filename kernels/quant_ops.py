@@ -9,18 +9,17 @@ are the float ops' (``ops.py``) with ``k_scale, v_scale`` after ``v_cache``:
 * ``torch.ops.specgraph.cache_write_int4(...)`` / ``torch.ops.specgraph.paged_attention_int4(...)``:
   same arguments, int4 layout.
 
-The writes mutate the caches *and* the scale tensors. Dispatch per call is the rule of
-``ops.py``: CUDA tensors -> Triton launcher; CPU tensors -> the ``*_ref`` torch code, or the
-Triton launcher inside ``config.use_triton_kernels()``.
+The writes mutate the caches *and* the scale tensors. Each body hands the call to
+``registry.dispatch`` (Triton on CUDA or when forced, else the torch reference).
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import quant_cache_write as _w
-from . import quant_paged_attention as _a
-from .config import use_triton_for as _use_triton
+from . import quant_cache_write as _w  # noqa: F401  (each kernel module registers its implementations)
+from . import quant_paged_attention as _a  # noqa: F401
+from .registry import dispatch
 
 _WRITE_MUTATES = ("k_cache", "v_cache", "k_scale", "v_scale")
 
@@ -36,8 +35,7 @@ def cache_write_fp8(
     slot_mapping: torch.Tensor,  # [N] int64, < 0 = skip
 ) -> None:
     """Quantize ``k``/``v`` to fp8 into the cache at ``slot_mapping`` (see ``quant_cache_write.py``)."""
-    impl = _w.cache_write_fp8_triton if _use_triton(k) else _w.cache_write_fp8_ref
-    impl(k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping)
+    dispatch("cache_write_fp8", k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping)
 
 
 @torch.library.custom_op("specgraph::cache_write_int4", mutates_args=_WRITE_MUTATES)
@@ -51,8 +49,7 @@ def cache_write_int4(
     slot_mapping: torch.Tensor,  # [N] int64, < 0 = skip
 ) -> None:
     """Quantize ``k``/``v`` to int4 into the cache at ``slot_mapping`` (see ``quant_cache_write.py``)."""
-    impl = _w.cache_write_int4_triton if _use_triton(k) else _w.cache_write_int4_ref
-    impl(k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping)
+    dispatch("cache_write_int4", k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping)
 
 
 @cache_write_fp8.register_fake
@@ -79,8 +76,8 @@ def paged_attention_fp8(
     scale: float,
 ) -> torch.Tensor:  # [N, num_heads, head_dim], q.dtype, contiguous
     """Causal paged attention over an fp8 cache (see ``quant_paged_attention.py``)."""
-    impl = _a.paged_attention_fp8_triton if _use_triton(q) else _a.paged_attention_fp8_ref
-    return impl(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, query_start_loc, positions, scale)
+    return dispatch("paged_attention_fp8", q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens,
+                    query_start_loc, positions, scale)
 
 
 @torch.library.custom_op("specgraph::paged_attention_int4", mutates_args=())
@@ -97,8 +94,8 @@ def paged_attention_int4(
     scale: float,
 ) -> torch.Tensor:  # [N, num_heads, head_dim], q.dtype, contiguous
     """Causal paged attention over an int4 cache (see ``quant_paged_attention.py``)."""
-    impl = _a.paged_attention_int4_triton if _use_triton(q) else _a.paged_attention_int4_ref
-    return impl(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, query_start_loc, positions, scale)
+    return dispatch("paged_attention_int4", q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens,
+                    query_start_loc, positions, scale)
 
 
 @paged_attention_fp8.register_fake

@@ -32,6 +32,7 @@ from .paged_attention import (
     token_seq_ids,
 )
 from .quant import QuantLayout, dequantize_fp8, dequantize_int4, fp8_layout, int4_layout
+from .registry import register
 from .triton_helpers import cast, check_launchable, dot, e4m3_from_bits, is_interpreted
 
 
@@ -267,3 +268,9 @@ def _load_int4_tile(data_ptr, params_ptr, rows, offs_d, mask, HEAD_DIM: tl.const
     scale = tl.load(param, mask=mask, other=0.0).to(tl.float32)
     mn = tl.load(param + 1, mask=mask, other=0.0).to(tl.float32)
     return code.to(tl.float32) * scale + mn
+
+
+for _scheme in ("fp8", "int4"):
+    register(f"paged_attention_{_scheme}", "reference", globals()[f"paged_attention_{_scheme}_ref"], ("cpu", "cuda"))
+    register(f"paged_attention_{_scheme}", "triton", globals()[f"paged_attention_{_scheme}_triton"], ("cuda",),
+             priority=10)

@@ -4,6 +4,9 @@ import sys
 # Triton decides at decoration time whether kernels run in the interpreter: set it before any
 # specgraph/triton import so the Triton kernels can run on this CPU-only machine.
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# Engines in tests run the eager lowering (an Inductor compile costs 10-20 s per tiny model);
+# tests/test_inductor_lowering.py and the slow SmolLM2 tests ask for the generated-code lowerings.
+os.environ.setdefault("SPECGRAPH_LOWERING", "eager")
 sys.path.insert(0, os.path.dirname(__file__))  # tests/models.py
 
 import pytest  # noqa: E402

@@ -151,6 +151,6 @@ def test_cpu_lowering_prepacks_linear_weights_for_onednn():
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
 
 
-def test_dump_dir_holds_the_cpu_attention_kernel_source(tmp_path):
+def test_dump_dir_holds_the_cpu_kernels_source(tmp_path):
     compile_decoder(make_family("llama"), BackendOptions(page_size=8, dump_dir=str(tmp_path)))
-    assert "paged_attention_short" in (tmp_path / "cpu_attention.cpp").read_text()
+    assert "paged_attention_short" in (tmp_path / "cpu_kernels.cpp").read_text()

@@ -1,4 +1,4 @@
-"""cache_write: Triton (interpreter) == torch ref == a per-token Python loop."""
+"""cache_write: Triton (interpreter) == C++ (CPU) == torch ref == a per-token Python loop."""
 
 import os
 
@@ -12,6 +12,7 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from specgraph.kernels import cache_write as cw
 from specgraph.kernels.cache_write import cache_write_ref, cache_write_triton
+from specgraph.kernels.cpu_kernels import cache_write_cpp
 
 if not isinstance(cw._cache_write_kernel, InterpretedFunction):
     raise RuntimeError("specgraph.kernels was imported before TRITON_INTERPRET=1 was set: the Triton kernels would not run in the interpreter")
@@ -71,7 +72,24 @@ def test_triton_matches_ref(p):
     assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)
 
 
-@pytest.mark.parametrize("impl", [cache_write_ref, cache_write_triton])
+@settings(max_examples=15, deadline=None)
+@given(problems())
+def test_cpp_matches_ref(p):
+    k, v, k_cache, v_cache, slots = p
+    k, v = k.to(k_cache.dtype), v.to(k_cache.dtype)  # the C++ write copies rows of the cache's dtype
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    cache_write_ref(k, v, ref_k, ref_v, slots)
+    cache_write_cpp(k, v, k_cache, v_cache, slots)
+    assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)
+
+
+def test_cpp_names_a_slot_outside_the_cache():
+    cache = torch.zeros(2, 8, 1, 32)
+    with pytest.raises(RuntimeError, match=r"slot_mapping\[1\] = 16 is outside the cache's 16 slots"):
+        cache_write_cpp(torch.ones(2, 1, 32), torch.ones(2, 1, 32), cache, cache.clone(), torch.tensor([3, 16]))
+
+
+@pytest.mark.parametrize("impl", [cache_write_ref, cache_write_triton, cache_write_cpp])
 def test_padding_only_and_int32_slots(impl):
     k_cache = torch.zeros(2, 8, 1, 32)
     v_cache = torch.zeros(2, 8, 1, 32)
@@ -83,7 +101,7 @@ def test_padding_only_and_int32_slots(impl):
     assert int(k_cache.ne(0).sum()) == 2 * 32
 
 
-@pytest.mark.parametrize("impl", [cache_write_ref, cache_write_triton])
+@pytest.mark.parametrize("impl", [cache_write_ref, cache_write_triton, cache_write_cpp])
 def test_bad_arguments_raise_value_error(impl):
     k = torch.zeros(2, 2, 32)
     cache = torch.zeros(4, 8, 2, 32)

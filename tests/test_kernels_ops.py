@@ -4,13 +4,14 @@ import os
 
 os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported (conftest does it too)
 
+import dataclasses
+
 import pytest
 import torch
 from torch._dynamo.testing import AotEagerAndRecordGraphs, EagerAndRecordGraphs
 
 import specgraph.kernels  # noqa: F401  (registers torch.ops.specgraph.*)
-from specgraph.kernels import ops, triton_kernels_forced, use_triton_kernels
-from specgraph.kernels.paged_attention import paged_attention_ref
+from specgraph.kernels import registry, triton_kernels_forced, use_triton_kernels
 from specgraph.kernels.triton_helpers import is_interpreted
 
 if not is_interpreted(specgraph.kernels.paged_attention._paged_attention_kernel):
@@ -45,12 +46,14 @@ def step(q, k, v, k_cache, v_cache, slot_mapping, block_tables, seq_lens, query_
     return out * 2
 
 
-def test_dispatch_cpu_uses_the_cpu_path_unless_forced(monkeypatch):
+def test_dispatch_follows_the_registry_rule(monkeypatch):
+    """CPU tensors run a CPU implementation unless Triton is forced; every op call goes through
+    ``registry.select`` (spies on the registered implementations record which one ran)."""
     calls = []
-    # the CPU implementation is cpu_attention.paged_attention_cpu (C++ for decodes, else the torch ref)
-    monkeypatch.setattr(ops, "paged_attention_cpu", lambda *a: calls.append("cpu") or paged_attention_ref(*a))
-    real_triton = ops.paged_attention_triton
-    monkeypatch.setattr(ops, "paged_attention_triton", lambda *a: calls.append("triton") or real_triton(*a))
+    for op in ("paged_attention", "cache_write"):
+        spied = [dataclasses.replace(i, fn=lambda *a, i=i: calls.append((i.op, i.name)) or i.fn(*a))
+                 for i in registry.implementations(op)]
+        monkeypatch.setitem(registry._IMPLEMENTATIONS, op, spied)
     x = make_inputs()
     step(**x)
     assert not triton_kernels_forced()
@@ -60,7 +63,22 @@ def test_dispatch_cpu_uses_the_cpu_path_unless_forced(monkeypatch):
         with use_triton_kernels(False):
             step(**x)
     assert not triton_kernels_forced()
-    assert calls == ["cpu", "triton", "cpu"]
+    cpu_names = {"reference", "cpp"}
+    assert [op for op, _ in calls] == ["cache_write", "paged_attention"] * 3
+    assert calls[0][1] in cpu_names and calls[1][1] in cpu_names
+    assert calls[2:4] == [("cache_write", "triton"), ("paged_attention", "triton")]
+    assert calls[4][1] in cpu_names and calls[5][1] in cpu_names
+
+
+def test_registry_lists_implementations_and_names_an_unknown_op():
+    with pytest.raises(KeyError, match="no implementation registered for specgraph::no_such_op"):
+        registry.select("no_such_op")
+    impls = registry.implementations("cache_write")
+    assert {i.name for i in impls} == {"reference", "triton", "cpp"} and impls[-1].name == "reference"
+    x = make_inputs()
+    args = (x["k"], x["v"], x["k_cache"], x["v_cache"], x["slot_mapping"])
+    assert registry.select("cache_write", *args).name == "cpp"  # same-dtype rows on CPU
+    assert registry.select("cache_write", x["k"].bfloat16(), x["v"].bfloat16(), *args[2:]).name == "reference"
 
 
 def test_opcheck_fake_impls():

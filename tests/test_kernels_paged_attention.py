@@ -20,6 +20,7 @@ from triton.runtime.interpreter import InterpretedFunction
 from specgraph.kernels import paged_attention as pa
 from specgraph.kernels.cache_write import cache_write_ref
 from specgraph.kernels.paged_attention import paged_attention_ref, paged_attention_triton
+from specgraph.kernels.registry import dispatch, select
 
 if not isinstance(pa._paged_attention_kernel, InterpretedFunction):
     raise RuntimeError("specgraph.kernels was imported before TRITON_INTERPRET=1 was set: the Triton kernels would not run in the interpreter")
@@ -248,11 +249,11 @@ def test_attention_plan_is_built_once_per_step():
 
 
 def _cpp():
-    from specgraph.kernels import cpu_attention
+    from specgraph.kernels import cpu_kernels
 
-    if cpu_attention.load() is None:
-        pytest.fail(f"the C++ CPU attention kernel did not build: {cpu_attention.build_error()}")
-    return cpu_attention
+    if cpu_kernels.load() is None:
+        pytest.fail(f"the C++ CPU attention kernel did not build: {cpu_kernels.build_error()}")
+    return cpu_kernels
 
 
 @settings(max_examples=25, deadline=None)
@@ -266,23 +267,21 @@ def test_cpp_cpu_kernel_matches_ref(b):
     torch.testing.assert_close(out, expected, atol=ATOL[torch.float32], rtol=RTOL[torch.float32])
 
 
-def test_cpu_dispatch_uses_the_cpp_kernel_where_it_pays(monkeypatch):
-    cpu = _cpp()
-    calls = []
-    real = cpu.paged_attention_short_cpp
-    monkeypatch.setattr(cpu, "paged_attention_short_cpp", lambda *a: calls.append(1) or real(*a))
-    decodes = make_batch(1, 8, kv_heads=2, group=3, head_dim=32, dtype=torch.float32, seqs=[(37, 1, 0), (20, 3, 0)])
-    torch.testing.assert_close(cpu.paged_attention_cpu(*decodes.args()), paged_attention_ref(*decodes.args()))
-    assert calls == [1]
-    prefill = make_batch(2, 8, kv_heads=2, group=3, head_dim=32, dtype=torch.float32, seqs=[(37, 30, 0), (20, 1, 0)])
-    torch.testing.assert_close(cpu.paged_attention_cpu(*prefill.args()), paged_attention_ref(*prefill.args()))
-    assert calls == [1], "a prefill chunk runs the torch path (SDPA's blocked GEMMs)"
-    long_verify = make_batch(4, 16, kv_heads=1, group=2, head_dim=32, dtype=torch.float32, seqs=[(1100, 8, 0)])
-    torch.testing.assert_close(cpu.paged_attention_cpu(*long_verify.args()), paged_attention_ref(*long_verify.args()))
-    assert calls == [1], "8 queries over 1,100 keys: the torch path"
-    long_decode = make_batch(5, 16, kv_heads=1, group=2, head_dim=32, dtype=torch.float32, seqs=[(1100, 2, 0)])
-    torch.testing.assert_close(cpu.paged_attention_cpu(*long_decode.args()), paged_attention_ref(*long_decode.args()))
-    assert calls == [1, 1], "2 queries: the C++ kernel at any context"
+def test_cpu_dispatch_uses_the_cpp_kernel_where_it_pays():
+    _cpp()
+
+    def check(batch, expected: str, why: str) -> None:
+        assert select("paged_attention", *batch.args()).name == expected, why
+        torch.testing.assert_close(dispatch("paged_attention", *batch.args()), paged_attention_ref(*batch.args()))
+
+    check(make_batch(1, 8, kv_heads=2, group=3, head_dim=32, dtype=torch.float32, seqs=[(37, 1, 0), (20, 3, 0)]),
+          "cpp", "decodes and short verifies: the C++ kernel")
+    check(make_batch(2, 8, kv_heads=2, group=3, head_dim=32, dtype=torch.float32, seqs=[(37, 30, 0), (20, 1, 0)]),
+          "reference", "a prefill chunk runs the torch path (SDPA's blocked GEMMs)")
+    check(make_batch(4, 16, kv_heads=1, group=2, head_dim=32, dtype=torch.float32, seqs=[(1100, 8, 0)]),
+          "reference", "8 queries over 1,100 keys: the torch path")
+    check(make_batch(5, 16, kv_heads=1, group=2, head_dim=32, dtype=torch.float32, seqs=[(1100, 2, 0)]),
+          "cpp", "2 queries: the C++ kernel at any context")
 
 
 def test_cpp_cpu_kernel_rejects_a_block_outside_the_cache():

@@ -4,12 +4,14 @@ import os
 
 os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported (conftest does it too)
 
+import dataclasses
+
 import pytest
 import torch
 from torch._dynamo.testing import AotEagerAndRecordGraphs
 
 import specgraph.kernels  # noqa: F401  (registers torch.ops.specgraph.*)
-from specgraph.kernels import QUANT_SCHEMES, quant_ops, use_triton_kernels
+from specgraph.kernels import QUANT_SCHEMES, registry, use_triton_kernels
 from specgraph.kernels.triton_helpers import is_interpreted
 
 if not is_interpreted(specgraph.kernels.quant_paged_attention._quant_paged_attention_kernel):
@@ -58,17 +60,15 @@ def make_step(scheme: str):
 def test_dispatch_cpu_uses_ref_unless_forced(scheme, monkeypatch):
     x = make_inputs(scheme)
     calls = []
-    for kind in ("ref", "triton"):
-        for mod, name in ((quant_ops._w, f"cache_write_{scheme}_{kind}"),
-                          (quant_ops._a, f"paged_attention_{scheme}_{kind}")):
-            real = getattr(mod, name)
-            monkeypatch.setattr(mod, name, lambda *a, _real=real, _tag=f"{name.split('_')[0]}:{kind}":
-                                calls.append(_tag) or _real(*a))
+    for op in (f"cache_write_{scheme}", f"paged_attention_{scheme}"):
+        spied = [dataclasses.replace(i, fn=lambda *a, i=i: calls.append(f"{i.op.split('_')[0]}:{i.name}") or i.fn(*a))
+                 for i in registry.implementations(op)]
+        monkeypatch.setitem(registry._IMPLEMENTATIONS, op, spied)
     step = make_step(scheme)
     step(**x)
     with use_triton_kernels():
         step(**x)
-    assert calls == ["cache:ref", "paged:ref", "cache:triton", "paged:triton"]
+    assert calls == ["cache:reference", "paged:reference", "cache:triton", "paged:triton"]
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)

@@ -1,4 +1,11 @@
-"""Paged attention for decodes and short verifies on CPU: a small C++ kernel that reads the pages in place.
+"""The C++ CPU kernels: paged attention for decodes and short verifies, and the cache write.
+
+**Cache write** (``cache_write_rows``): each token's K and V rows copied to their slots, padding
+slots (< 0) skipped, any dtype as long as the rows and the cache share it. The torch reference
+validates and drops padding with tensor ops and a host sync, about 0.25 ms per layer; this costs
+a few microseconds, which is 30 layers x that per SmolLM2 step.
+
+**Paged attention** (``paged_attention_short``): a small kernel that reads the pages in place.
 
 The torch path (``paged_attention_ref``) gathers every K/V row a step reads into a fresh tensor
 and then runs SDPA over it: each cached byte is read twice and written once. This kernel walks
@@ -10,11 +17,11 @@ head-sized pieces at different times and were 3x slower on SmolLM2's cold cache.
 
 It serves decode steps, and short speculative verifies over short contexts (``_kernel_pays``),
 over float32 caches; anything else (prefill chunks and long verifies, where SDPA's blocked
-GEMMs win, bf16/fp16 or quantized caches) runs the torch path. :func:`paged_attention_cpu` is
-that dispatch; it is what the CPU lowering calls. The C++ source is compiled once per machine
+GEMMs win, bf16/fp16 or quantized caches) runs the torch path. It registers as the ``"cpp"``
+implementation of ``specgraph::paged_attention`` (``registry.py``) with that test. The C++ source is compiled once per machine
 by ``torch.utils.cpp_extension.load_inline`` (cached in ``TORCH_EXTENSIONS_DIR``; 20-60 s
 on 2 cores the first time). If it cannot be built the torch path runs and ``build_error()``
-says why. The pure-torch reference it is tested against is ``paged_attention_ref``.
+says why. The pure-torch reference it is tested against is ``paged_attention.paged_attention_ref``.
 """
 from __future__ import annotations
 
@@ -24,14 +31,38 @@ import warnings
 import torch
 
 from .attention_plan import BATCHED_MAX_QUERIES, plan_for
-from .paged_attention import check_attention_args, paged_attention_ref
+from .cache_write import check_cache_write_args
+from .paged_attention import check_attention_args
+from .registry import register
 
 CPP_SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <vector>
+
+// k, v [N, KVH, D] contiguous; k_cache, v_cache [num_blocks, P, KVH, D] contiguous, same dtype;
+// slot_mapping [N] int64: row i goes to flat slot slot_mapping[i]; slots < 0 are skipped.
+void cache_write_rows(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
+                      torch::Tensor slot_mapping) {
+  const int64_t N = k.size(0);
+  const int64_t slots = k_cache.size(0) * k_cache.size(1);
+  const int64_t row_bytes = k.size(1) * k.size(2) * k.element_size();
+  const int64_t* sm = slot_mapping.data_ptr<int64_t>();
+  const char* kp = static_cast<const char*>(k.data_ptr());
+  const char* vp = static_cast<const char*>(v.data_ptr());
+  char* kc = static_cast<char*>(k_cache.data_ptr());
+  char* vc = static_cast<char*>(v_cache.data_ptr());
+  for (int64_t i = 0; i < N; ++i) {
+    const int64_t slot = sm[i];
+    if (slot < 0) continue;
+    TORCH_CHECK(slot < slots, "slot_mapping[", i, "] = ", slot, " is outside the cache's ", slots, " slots");
+    std::memcpy(kc + slot * row_bytes, kp + i * row_bytes, row_bytes);
+    std::memcpy(vc + slot * row_bytes, vp + i * row_bytes, row_bytes);
+  }
+}
 
 // q [N, H, D], k_cache/v_cache [num_blocks, P, KVH, D] (float32, contiguous), block_tables [S, MB]
 // int32, seq_lens [S] int32, query_start_loc [S + 1] int32, positions [N] int64 -> out [N, H, D].
@@ -128,7 +159,7 @@ torch::Tensor paged_attention_short(torch::Tensor q, torch::Tensor k_cache, torc
 }
 """
 
-_EXTENSION = "specgraph_cpu_attention"
+_EXTENSION = "specgraph_cpu_kernels"
 _lock = threading.Lock()
 _module = None
 _error: str | None = None
@@ -143,7 +174,7 @@ def load():
                 from torch.utils.cpp_extension import load_inline
 
                 _module = load_inline(
-                    name=_EXTENSION, cpp_sources=[CPP_SOURCE], functions=["paged_attention_short"],
+                    name=_EXTENSION, cpp_sources=[CPP_SOURCE], functions=["paged_attention_short", "cache_write_rows"],
                     extra_cflags=["-O3", "-march=native", "-fopenmp-simd", "-ffast-math"], verbose=False)
             except Exception as e:  # no compiler, no ninja, ...: the torch path still works
                 _error = f"{type(e).__name__}: {e}"
@@ -165,7 +196,7 @@ def build_now() -> None:
     cached = os.path.isdir(_get_build_directory(_EXTENSION, verbose=False))
     t0 = time.perf_counter()
     if not cached:
-        print("specgraph: building the C++ CPU attention kernel (once per machine, 20-60 s)...",
+        print("specgraph: building the C++ CPU kernels (once per machine, 20-60 s)...",
               file=sys.stderr, flush=True)
     load()
     if not cached and _module is not None:
@@ -211,13 +242,31 @@ def _kernel_pays(plan) -> bool:
     return max_queries <= 2 or (max_queries <= BATCHED_MAX_QUERIES and keys <= SHORT_STEP_KEYS)
 
 
-def paged_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, positions, scale):
-    """The CPU path: the C++ kernel where it pays (``_kernel_pays``), else ``paged_attention_ref``."""
-    if _kernel_applies(q, k_cache, v_cache) and load() is not None:
-        check_attention_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, positions)
-        plan = plan_for(block_tables, seq_lens, query_start_loc, positions, k_cache.shape[1],
-                        q.shape[1] // k_cache.shape[2])
-        if _kernel_pays(plan):
-            return paged_attention_short_cpp(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                                             positions, scale)
-    return paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, positions, scale)
+def _cpp_takes(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, positions, scale) -> bool:
+    """The registry's test: float32 contiguous caches on CPU, the kernel built, and a step where it pays."""
+    if not (_kernel_applies(q, k_cache, v_cache) and load() is not None):
+        return False
+    check_attention_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, positions)
+    plan = plan_for(block_tables, seq_lens, query_start_loc, positions, k_cache.shape[1],
+                    q.shape[1] // k_cache.shape[2])
+    return _kernel_pays(plan)
+
+
+register("paged_attention", "cpp", paged_attention_short_cpp, ("cpu",), applies=_cpp_takes, priority=10)
+
+
+def cache_write_cpp(k, v, k_cache, v_cache, slot_mapping) -> None:
+    """The C++ cache write (same contract as ``cache_write.cache_write_ref`` for same-dtype rows)."""
+    check_cache_write_args(k, v, k_cache, v_cache, slot_mapping)
+    module = load()
+    if module is None:
+        raise RuntimeError(f"the C++ CPU kernels are not available: {_error}")
+    module.cache_write_rows(k.contiguous(), v.contiguous(), k_cache, v_cache, slot_mapping.to(torch.int64).contiguous())
+
+
+def _cpp_write_takes(k, v, k_cache, v_cache, slot_mapping) -> bool:
+    return (k.device.type == "cpu" and k.dtype == v.dtype == k_cache.dtype == v_cache.dtype
+            and k_cache.is_contiguous() and v_cache.is_contiguous() and load() is not None)
+
+
+register("cache_write", "cpp", cache_write_cpp, ("cpu",), applies=_cpp_write_takes, priority=10)
