@@ -9,8 +9,11 @@ Everything is measured in one process, one run, and printed as one table plus la
 
 1. Throughput, greedy, ``--new-tokens`` tokens per sequence (EOS ignored everywhere), for
    ``hf-eager`` (HF dynamic cache), ``hf-static-compile`` (HF static cache + torch.compile,
-   with ``--hf-compile``), ``no-cache`` (full recompute every token, 1 prompt) and ``specgraph``
-   (the Engine). Batch 1 runs every prompt alone, the modes interleaved per prompt (the order
+   with ``--hf-compile``), ``no-cache`` (full recompute every token, 1 prompt), ``specgraph``
+   (the Engine, generated code: ``lowering="inductor"``), ``specgraph-eager`` (the Engine running
+   the graph op by op) and ``llama-cpp-f32`` (llama.cpp on an F32 GGUF that llama.cpp's own
+   quantizer made from the shipped file: the same weights; batch 1; only when ``llama_cpp``
+   imports, see ``llama_cpp_runner.py``). Batch 1 runs every prompt alone, the modes interleaved per prompt (the order
    rotates) so load swings on a shared machine hit all of them; batch ``--batch`` runs the
    prompts cycled to the batch size in one call (HF: left padding + attention mask).
 2. Whether specgraph's greedy tokens equal HF eager's for every prompt.
@@ -47,11 +50,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # prompts.py, co
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
-from common import (ModeResult, Run, RssSampler, fmt, format_table, load_average, log,  # noqa: E402
+from common import (ModeResult, Run, RssSampler, cpu_description, fmt, format_table, load_average, log,  # noqa: E402
                     measure_read_bandwidth, median, print_report, quiet_torch, weight_bytes_per_token)
 from prompts import PREFIX_QUESTIONS, PROMPTS, SHARED_DOCUMENT, WARMUP_PROMPT  # noqa: E402
 
-ALL_MODES = ("hf-eager", "hf-static-compile", "no-cache", "specgraph")
+ALL_MODES = ("hf-eager", "hf-static-compile", "no-cache", "specgraph", "specgraph-eager", "llama-cpp-f32")
+SPECGRAPH_MODES = {"specgraph": "inductor", "specgraph-eager": "eager"}  # mode -> Engine lowering
 ALL_SECTIONS = ("throughput", "context", "prefix", "bandwidth")
 
 
@@ -196,6 +200,7 @@ def flush_prefix_cache(engine) -> int:
 def sg_generate(engine, batch: list[list[int]], new_tokens: int, cold: bool = True) -> Run:
     if cold:
         flush_prefix_cache(engine)
+    engine.reset_stats()
     first: list[float | None] = [None] * len(batch)
 
     def on_token(i, _tok):
@@ -207,6 +212,7 @@ def sg_generate(engine, batch: list[list[int]], new_tokens: int, cold: bool = Tr
     elapsed = time.perf_counter() - t0
     run = Run(elapsed, [(f - t0) if f is not None else elapsed for f in first], [r.token_ids for r in results])
     run.cached_tokens = [r.cached_tokens for r in results]
+    run.host_fraction = engine.stats["host_overhead_fraction"]
     return run
 
 
@@ -230,20 +236,23 @@ def compare_tokens(label: str, got: dict[int, list[int]], ref: dict[int, list[in
 
 
 # ========================================================================= sections
-def run_throughput(args, model, tok, engine, hf_compiled, prompt_ids, warm_ids, mem) -> dict:
+def run_throughput(args, model, tok, engines, hf_compiled, llama, prompt_ids, warm_ids, mem) -> dict:
     n, modes = args.new_tokens, args.modes
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
-    b1_modes = [m for m in ("hf-eager", "hf-static-compile", "specgraph") if m in modes]
+    b1_modes = [m for m in ("hf-eager", "hf-static-compile", "specgraph", "specgraph-eager", "llama-cpp-f32")
+                if m in modes]
     runners = {
         "hf-eager": lambda batch, k: hf_generate(model, batch, k, pad),
         "hf-static-compile": lambda batch, k: hf_generate(hf_compiled, batch, k, pad),
-        "specgraph": lambda batch, k: sg_generate(engine, batch, k),
+        "llama-cpp-f32": lambda batch, k: llama.generate(batch, k),
     }
+    for m, engine in engines.items():
+        runners[m] = lambda batch, k, engine=engine: sg_generate(engine, batch, k)
     results: dict[tuple[str, int], ModeResult] = {}
     tokens: dict[tuple[str, int], dict[int, list[int]]] = {}
 
     # warm-up: one short generate per mode (and one at the batch size for the batched modes)
-    batched = [m for m in ("hf-eager", "specgraph") if m in modes] if args.batch > 1 else []
+    batched = [m for m in ("hf-eager", "specgraph", "specgraph-eager") if m in modes] if args.batch > 1 else []
     for m in b1_modes:
         if m != "hf-static-compile":  # already warmed (and compiled) when it was built
             log(f"warm-up {m}")
@@ -302,6 +311,8 @@ def run_throughput(args, model, tok, engine, hf_compiled, prompt_ids, warm_ids, 
     if ref:
         for key, label in [(("specgraph", 1), "specgraph batch 1 vs hf-eager batch 1"),
                            (("specgraph", args.batch), f"specgraph batch {args.batch} vs hf-eager batch 1"),
+                           (("specgraph-eager", 1), "specgraph-eager batch 1 vs hf-eager batch 1"),
+                           (("llama-cpp-f32", 1), "llama-cpp-f32 batch 1 vs hf-eager batch 1"),
                            (("hf-eager", args.batch), f"hf-eager batch {args.batch} vs hf-eager batch 1"),
                            (("hf-static-compile", 1), "hf-static-compile batch 1 vs hf-eager batch 1")]:
             if key in tokens and key != ("hf-eager", 1):
@@ -456,17 +467,35 @@ def main(argv=None) -> int:
     prompt_ids = [enc(chat(text)) for _, text in args.prompts]
     warm_ids = enc(chat(WARMUP_PROMPT))
 
-    engine = None
-    needs_engine = "specgraph" in args.modes and set(args.sections) & {"throughput", "context", "prefix"}
-    if needs_engine:
-        log("compiling the specgraph Engine")
-        engine = specgraph.Engine(model, tokenizer=tok, page_size=args.page_size, prefix_caching=True,
-                                  max_num_seqs=max(8, args.batch))
-        log(f"  compiled in {engine.compile_seconds:.1f} s")
-        report["specgraph"] = dict(compile_s=engine.compile_seconds, num_blocks=engine.num_blocks,
-                                   kv_bytes_per_token=engine.stats["kv_bytes_per_token"],
-                                   kv_pool_bytes=sum(k.numel() * k.element_size() + v.numel() * v.element_size()
-                                                     for k, v in engine.kv_cache))
+    engines = {}
+    for mode, lowering in SPECGRAPH_MODES.items():
+        wanted = "throughput" in args.sections or (mode == "specgraph" and set(args.sections) & {"context", "prefix"})
+        if mode in args.modes and wanted:
+            log(f"compiling the specgraph Engine ({mode}: lowering={lowering!r})")
+            e = engines[mode] = specgraph.Engine(model, tokenizer=tok, page_size=args.page_size, prefix_caching=True,
+                                                 max_num_seqs=max(8, args.batch), lowering=lowering)
+            log(f"  compiled in {e.compile_seconds:.1f} s")
+            report[mode] = dict(compile_s=e.compile_seconds, lowering=lowering, num_blocks=e.num_blocks,
+                                kv_bytes_per_token=e.stats["kv_bytes_per_token"],
+                                kv_pool_bytes=sum(k.numel() * k.element_size() + v.numel() * v.element_size()
+                                                  for k, v in e.kv_cache))
+    engine = engines.get("specgraph")
+
+    llama = None
+    if "llama-cpp-f32" in args.modes and "throughput" in args.sections:
+        import llama_cpp_runner
+
+        if llama_cpp_runner.available():
+            from specgraph.runtime.loader import default_cache_dir, find_smollm2_gguf
+
+            log("llama.cpp: converting the shipped GGUF to F32 with llama.cpp's own quantizer (cached)")
+            path = llama_cpp_runner.converted_gguf(find_smollm2_gguf(args.model), "f32",
+                                                   default_cache_dir() / "llama-cpp")
+            llama = llama_cpp_runner.LlamaCpp(path, torch.get_num_threads())
+            report["llama_cpp"] = dict(version=llama.version, gguf=str(path))
+        else:
+            args.modes.remove("llama-cpp-f32")
+            report["llama_cpp"] = dict(skipped="llama_cpp is not importable (pip install llama-cpp-python)")
 
     hf_compiled = None
     if "hf-static-compile" in args.modes and "throughput" in args.sections:
@@ -491,7 +520,7 @@ def main(argv=None) -> int:
 
     tp = None
     if "throughput" in args.sections:
-        tp = run_throughput(args, model, tok, engine, hf_compiled, prompt_ids, warm_ids, mem)
+        tp = run_throughput(args, model, tok, engines, hf_compiled, llama, prompt_ids, warm_ids, mem)
     ctx = None
     if "context" in args.sections and {"specgraph", "hf-eager"} & set(args.modes):
         ctx = run_context(args, model, engine, vocab)
@@ -510,16 +539,21 @@ def main(argv=None) -> int:
     nparams = sum(p.numel() for p in model.parameters())
     out.append(f"model: {args.model} ({nparams / 1e6:.1f}M params, {weights / 1e6:.1f} MB "
                f"{str(next(model.parameters()).dtype).replace('torch.', '')})")
+    out.append(f"cpu: {cpu_description()}")
     out.append(f"threads: {torch.get_num_threads()} (torch {torch.__version__}, transformers {transformers.__version__}); "
                f"load average start {report['env']['load_average_start']}, end {report['env']['load_average_end']}")
     kinds = [k for k, _ in args.prompts]
     out.append(f"prompts: {len(args.prompts)} ({kinds.count('code')} code, {kinds.count('chat')} chat; "
                f"{min(map(len, prompt_ids))}-{max(map(len, prompt_ids))} tokens), greedy, {args.new_tokens} new tokens, "
                f"EOS ignored, repeats {args.repeats}")
-    if engine is not None:
-        s = report["specgraph"]
-        out.append(f"specgraph Engine compile: {s['compile_s']:.1f} s; KV pool {s['kv_pool_bytes'] / 2**20:.0f} MiB "
-                   f"preallocated ({s['kv_bytes_per_token']} B/token, page {args.page_size}), not in peak RSS")
+    for mode in engines:
+        s = report[mode]
+        out.append(f"{mode} Engine (lowering={s['lowering']!r}) compile: {s['compile_s']:.1f} s; KV pool "
+                   f"{s['kv_pool_bytes'] / 2**20:.0f} MiB preallocated ({s['kv_bytes_per_token']} B/token, "
+                   f"page {args.page_size}), not in peak RSS")
+    if "llama_cpp" in report:
+        lc = report["llama_cpp"]
+        out.append(f"llama.cpp: {lc.get('skipped') or 'llama-cpp-python ' + lc['version'] + ', ' + lc['gguf']}")
     if "hf_static_compile" in report:
         h = report["hf_static_compile"]
         line = (f"hf-static-compile compile: first call {h['first_call_s']:.1f} s (+ {h['second_call_s']:.1f} s "
@@ -553,6 +587,15 @@ def main(argv=None) -> int:
                    "ratios are against hf-eager at the same batch")
         if ("no-cache", 1) in res:
             out.append(f"  no-cache: prompt 0 only, {args.nocache_tokens} tokens (full recompute every token)")
+        for r in order:
+            fractions = [x.host_fraction for x in r.runs if hasattr(x, "host_fraction")]
+            if fractions:
+                out.append(f"  {r.mode} batch {r.batch}: host overhead (scheduling, metadata, sampling; outside the "
+                           f"forward) {100 * sum(fractions) / len(fractions):.1f}% of step time")
+        llama_row = res.get(("llama-cpp-f32", 1))
+        if llama_row is not None and ("specgraph", 1) in res:
+            out.append(f"  specgraph batch-1 decode vs llama-cpp-f32: "
+                       f"{res[('specgraph', 1)].decode_tok_s / llama_row.decode_tok_s:.2f}x")
         out.append("")
         for c in tp["checks"]:
             out.append("greedy tokens, " + c["line"])
@@ -571,7 +614,7 @@ def main(argv=None) -> int:
                            f"{per[b]['prefill_s']:.1f} s)")
         if "specgraph" in ctx and "hf-eager" in ctx:
             same = [ctx["specgraph"][L]["tokens"] == ctx["hf-eager"][L]["tokens"] for L in args.contexts]
-            out.append(f"  context-test greedy tokens specgraph == hf-eager: "
+            out.append("  context-test greedy tokens specgraph == hf-eager: "
                        + ", ".join(f"context {L}: {'yes' if s else 'no'}" for L, s in zip(args.contexts, same)))
         report["context"] = {m: {str(L): v for L, v in per.items()} for m, per in ctx.items()}
 
@@ -597,7 +640,7 @@ def main(argv=None) -> int:
         report["bandwidth"] = dict(bytes_per_s=bw, best_bytes_per_s=best, weight_bytes_per_token=weights,
                                    ceiling_tok_s=ceiling)
         if tp is not None:
-            for m in ("specgraph", "hf-eager", "hf-static-compile"):
+            for m in ("specgraph", "specgraph-eager", "llama-cpp-f32", "hf-eager", "hf-static-compile"):
                 r = tp["results"].get((m, 1))
                 if r is not None:
                     out.append(f"  {m} batch-1 decode: {r.decode_tok_s:.2f} tok/s = "

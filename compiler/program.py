@@ -43,20 +43,22 @@ class AttentionMetadata:
     def build(seqs: list[tuple[list[int], int, list[int]]], page_size: int, logits: list[list[int]]) -> "AttentionMetadata":
         """From per-sequence ``(block_table, start_position, num_new_tokens)`` tuples.
 
-        ``logits[s]`` lists the offsets (within sequence s's new tokens) that need logits.
+        ``logits[s]`` lists the offsets (within sequence s's new tokens) that need logits. The host
+        work is per sequence and per page touched, never per token (ranges extend in C).
         """
         positions, slots, qsl, lens, rows = [], [], [0], [], []
         for (table, start, n), want in zip(seqs, logits):
-            for j in range(start, start + n):
-                positions.append(j)
-                slots.append(table[j // page_size] * page_size + j % page_size)
+            positions.extend(range(start, start + n))
+            for page in range(start // page_size, (start + n + page_size - 1) // page_size):
+                lo, hi = max(start, page * page_size), min(start + n, (page + 1) * page_size)
+                base = table[page] * page_size - page * page_size
+                slots.extend(range(base + lo, base + hi))
             rows.extend(qsl[-1] + o for o in want)
             qsl.append(qsl[-1] + n)
             lens.append(start + n)
         width = max([1] + [len(t) for t, _, _ in seqs])
-        tables = torch.zeros(len(seqs), width, dtype=torch.int32)
-        for i, (t, _, _) in enumerate(seqs):
-            tables[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+        tables = torch.tensor([list(t) + [0] * (width - len(t)) for t, _, _ in seqs] or [[0]] * 0,
+                              dtype=torch.int32).view(len(seqs), width)
         return AttentionMetadata(
             positions=torch.tensor(positions, dtype=torch.int64), slot_mapping=torch.tensor(slots, dtype=torch.int64),
             block_tables=tables, seq_lens=torch.tensor(lens, dtype=torch.int32),
@@ -111,10 +113,6 @@ class StepShape(NamedTuple):
     num_logits: int
     table_width: int
 
-
-#: static step graphs: a decode of up to b sequences (or a verify of up to b tokens) pads to the
-#: smallest bucket b that holds it; every other step runs the dynamic graph
-DECODE_BUCKETS = (1,)
 
 _CACHE_INPUTS = ("k_cache", "v_cache", "k_scale", "v_scale")  # per-layer graph inputs, in allocation order
 
@@ -210,14 +208,21 @@ class DecoderProgram:
         return self.logits_of(out, padded)[:meta.logits_indices.numel()]
 
     def compile_steps(self, kv_cache: list[tuple[torch.Tensor, ...]], table_width: int,
-                      buckets: tuple[int, ...] = DECODE_BUCKETS) -> None:
+                      buckets: tuple[int, ...] | None = None) -> None:
         """Compile the step graphs of ``options.lowering`` for this cache now (nothing for "eager").
 
         ``table_width``: the widest block table a step may carry (bucket graphs are specialized
-        to it). After this, every call runs generated code (see :mod:`specgraph.compiler.inductor`)."""
+        to it). ``buckets``: the static graphs' stream sizes; by default measured on this machine
+        (:func:`~specgraph.compiler.inductor.choose_buckets`, its reason in ``self.step_plan``).
+        After this, every call runs generated code (see :mod:`specgraph.compiler.inductor`)."""
         if self.lowering == "eager" or self._steps is not None:
             return
-        from .inductor import StepGraphs
+        from .inductor import StepGraphs, choose_buckets
+
+        if buckets is None:
+            buckets, self.step_plan = choose_buckets(self.gm, self.device)
+        else:
+            self.step_plan = f"buckets {buckets} given"
 
         steps = StepGraphs(self.gm, self._order, self._ids_name, self._len_name, self.lowering, buckets,
                            dump_dir=self.compiled.context.options.dump_dir)
@@ -254,6 +259,7 @@ class DecoderProgram:
         options = self.compiled.context.options
         self._eager = lower(self.gm, prepack=options.prepack_weights, dump_dir=options.dump_dir)
         self._steps = None  # StepGraphs once compile_steps ran
+        self.step_plan = "eager lowering: op by op" if self.lowering == "eager" else "step graphs not compiled yet"
 
 
 def _model_dtype(model: torch.nn.Module) -> torch.dtype:

@@ -228,13 +228,17 @@ class Engine:
         blocks do not count); ``preemptions``: running requests pushed back to recompute for lack
         of blocks; ``evictions``: cached blocks handed out again; ``forks`` and ``cow_copies``:
         samples that shared their prompt's blocks, and shared blocks copied before a write;
-        ``recompiles``: step graphs compiled after the engine was built (0 in steady state).
+        ``recompiles``: step graphs compiled after the engine was built (0 in steady state);
+        ``host_overhead_fraction``: of the time in steps, the share spent outside the target's forward
+        (scheduling, drafting, metadata, sampling), from ``host_s`` and ``forward_s``.
         """
         s = dict(self._stats)
         s["prefix_cache_hit_rate"] = self.kv.prefix_cache_hit_rate
         s["kv_pool_usage"] = self.kv.usage
         s["kv_bytes_per_token"] = self.program.kv_bytes_per_token()
         s["kv_pool_tokens"] = (self.num_blocks - 1) * self.page_size
+        busy = s["forward_s"] + s["host_s"]
+        s["host_overhead_fraction"] = s["host_s"] / busy if busy else 0.0
         for name, value in self._counters().items():
             s[name] = value - self._counter_base[name]
         if self.proposer is not None:
@@ -248,7 +252,8 @@ class Engine:
     def reset_stats(self) -> None:
         self._stats = dict(tokens_per_second=0.0, generated_tokens=0, prompt_tokens=0, cached_prompt_tokens=0,
                            target_forwards=0, kv_pool_peak_usage=0.0, time_to_first_token_s=0.0, elapsed_s=0.0,
-                           draft_tokens=0, accepted_tokens=0, verify_steps=0, verify_emitted=0)
+                           draft_tokens=0, accepted_tokens=0, verify_steps=0, verify_emitted=0, forward_s=0.0,
+                           host_s=0.0)
         self._counter_base = self._counters()
 
     def _counters(self) -> dict[str, int]:
@@ -337,6 +342,7 @@ class Engine:
 
     @torch.no_grad()
     def _step(self) -> list[Request]:
+        t_start = time.perf_counter()
         chunks, copies = self.scheduler.schedule()
         if not chunks:
             raise RuntimeError("scheduler produced an empty step with work pending")
@@ -352,7 +358,9 @@ class Engine:
             seqs.append((self.kv.block_table(c.request.request_id), c.start, n))
             want.append(list(range(n)) if extra else [n - 1] if c.wants_logits else [])
         meta = AttentionMetadata.build(seqs, self.page_size, want)
+        t_forward = time.perf_counter()
         logits = self.program(torch.tensor(ids, dtype=torch.long), meta, self.kv_cache)
+        t_back = time.perf_counter()
         self._stats["target_forwards"] += 1
         self._stats["kv_pool_peak_usage"] = max(self._stats["kv_pool_peak_usage"], self.kv.usage)
         row = 0
@@ -386,6 +394,8 @@ class Engine:
                     self.proposer.release(rid)
                 else:
                     self.proposer.on_verified(rid, r.num_computed)
+        self._stats["forward_s"] += t_back - t_forward
+        self._stats["host_s"] += (t_forward - t_start) + (time.perf_counter() - t_back)
         return finished
 
     def _verify(self, r: Request, draft: Draft, logits: torch.Tensor) -> list[int]:
