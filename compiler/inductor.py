@@ -26,7 +26,6 @@ import contextlib
 import json
 import os
 import re
-import sys
 import time
 from typing import Callable
 
@@ -36,6 +35,7 @@ import torch.fx as fx
 from ..kernels.config import use_triton_kernels
 from ..passes.graph_utils import attr_value
 from .dump import Dumper
+from .lowering import bind_native_ops
 from .passes import copy_graph_module
 
 _STREAM_INPUTS = ("positions", "slot_mapping", "block_tables", "seq_lens", "query_start_loc", "logits_indices")
@@ -185,6 +185,9 @@ class StepGraphs:
         self._names = [placeholder_order[i] for i in self._keep]
         self._ids_name = ids_name
         self._base = _tensor_inputs_only(gm, ids_name, len_name)
+        on_cpu = all(t.device.type == "cpu" for t in self._base.parameters())
+        if lowering == "inductor" and on_cpu:
+            bind_native_ops(self._base)
         self._graphs: dict[object, Callable] = {}  # (bucket size or "dynamic", cache size) -> compiled
         caches = [i for i, name in enumerate(self._names) if name.startswith("k_cache")]
         self._first_cache = caches[0] if caches else None
@@ -203,19 +206,19 @@ class StepGraphs:
         pad_seq = 1 if n < 2 else 0  # the padding token needs a padding sequence
         return "dynamic", StepShape(max(n, 2), max(s + pad_seq, 2), max(m, 2), max(w, 2))
 
-    def warm_up(self, run_padding_step: Callable[[object], None], table_width: int) -> None:
+    def warm_up(self, run_padding_step: Callable[[object], None], table_width: int,
+                progress: Callable[[str], None] | None = None) -> None:
         """Compile every graph now. ``run_padding_step(shape)`` runs a step of that shape made only of
-        padding (it writes no cache slot). Bucket graphs are specialized to ``table_width`` columns."""
+        padding (it writes no cache slot). Bucket graphs are specialized to ``table_width`` columns.
+        ``progress(stage)`` is told which graph is being compiled."""
         from .program import StepShape
 
-        from tqdm.auto import tqdm
-
         self._table_width = table_width
-        shapes = [StepShape(b, b, b, table_width) for b in self.buckets]
-        shapes.append(StepShape(7, 3, 5, 4))  # the dynamic graph; distinct sizes: none taken for another
-        # a bar on a terminal only (disable=None); a cold compile of a 135M model takes minutes
-        for shape in tqdm(shapes, desc=f"specgraph: compiling step graphs ({self.lowering})", unit="graph",
-                          disable=None, leave=False, file=sys.stderr):
+        shapes = [(f"bucket {b}", StepShape(b, b, b, table_width)) for b in self.buckets]
+        shapes.append(("dynamic", StepShape(7, 3, 5, 4)))  # distinct sizes: none may be taken for another
+        for i, (name, shape) in enumerate(shapes):
+            if progress is not None:
+                progress(f"step graph {i + 1}/{len(shapes)} ({name}, {self.lowering})")
             run_padding_step(shape)
 
     # ----------------------------------------------------------------- running

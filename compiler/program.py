@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import torch
 import torch.fx as fx
@@ -208,13 +208,14 @@ class DecoderProgram:
         return self.logits_of(out, padded)[:meta.logits_indices.numel()]
 
     def compile_steps(self, kv_cache: list[tuple[torch.Tensor, ...]], table_width: int,
-                      buckets: tuple[int, ...] | None = None) -> None:
+                      buckets: tuple[int, ...] | None = None, progress: Callable[[str], None] | None = None) -> None:
         """Compile the step graphs of ``options.lowering`` for this cache now (nothing for "eager").
 
         ``table_width``: the widest block table a step may carry (bucket graphs are specialized
         to it). ``buckets``: the static graphs' stream sizes; by default measured on this machine
         (:func:`~specgraph.compiler.inductor.choose_buckets`, its reason in ``self.step_plan``).
-        After this, every call runs generated code (see :mod:`specgraph.compiler.inductor`)."""
+        After this, every call runs generated code (see :mod:`specgraph.compiler.inductor`).
+        ``progress(stage)`` is told which graph is being compiled."""
         if self.lowering == "eager" or self._steps is not None:
             return
         from .inductor import StepGraphs, choose_buckets
@@ -234,7 +235,7 @@ class DecoderProgram:
             steps(key, self.graph_inputs(ids, empty.padded(shape).to(self.device), kv_cache))
 
         with torch.no_grad():
-            steps.warm_up(run_padding_step, table_width)
+            steps.warm_up(run_padding_step, table_width, progress)
         self._steps = steps
 
     @property
@@ -268,9 +269,12 @@ def _model_dtype(model: torch.nn.Module) -> torch.dtype:
 
 
 def compile_decoder(model: torch.nn.Module, options: BackendOptions | None = None, example_len: int = 8,
-                    ) -> DecoderProgram:
-    """Capture ``model`` and run the full decoder pipeline (see module docstring)."""
+                    progress: Callable[[str], None] | None = None) -> DecoderProgram:
+    """Capture ``model`` and run the full decoder pipeline (see module docstring); ``progress(stage)``
+    is told when each stage starts."""
     options = options or BackendOptions()
+    if progress is not None:
+        progress("capture + passes")
     result: dict[str, CompiledGraph] = {}
 
     def capture_backend(gm, example_inputs):
@@ -295,6 +299,8 @@ def compile_decoder(model: torch.nn.Module, options: BackendOptions | None = Non
     if options.self_check:
         from .self_check import self_check
 
+        if progress is not None:
+            progress("self-check")
         program.self_check_seconds = self_check(program, options.kv_dtype)
     return program
 

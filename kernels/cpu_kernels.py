@@ -15,7 +15,7 @@ uses kv head ``h // G``), with a two-pass softmax in float32. One work item is a
 spread over torch's intra-op threads. (Work items per (token, kv head) read each row in three
 head-sized pieces at different times and were 3x slower on SmolLM2's cold cache.)
 
-It serves decode steps, and short speculative verifies over short contexts (``_kernel_pays``),
+It serves decode steps, and short speculative verifies over short contexts (``attention_pays``),
 over float32 caches; anything else (prefill chunks and long verifies, where SDPA's blocked
 GEMMs win, bf16/fp16 or quantized caches) runs the torch path. It registers as the ``"cpp"``
 implementation of ``specgraph::paged_attention`` (``registry.py``) with that test. The C++ source is compiled once per machine
@@ -30,7 +30,6 @@ import warnings
 
 import torch
 
-from .attention_plan import BATCHED_MAX_QUERIES, plan_for
 from .cache_write import check_cache_write_args
 from .paged_attention import check_attention_args
 from .registry import register
@@ -157,7 +156,79 @@ torch::Tensor paged_attention_short(torch::Tensor q, torch::Tensor k_cache, torc
   });
   return out;
 }
+
+// Where the attention kernel beats the torch path (measured on SmolLM2's heads, 2 threads). Its cost
+// grows with queries x keys (about 0.085 us per query-key pair for 9 heads of 64): it wins for
+// decodes and 2-token verifies at any context (batch 8 at 1000 keys: 0.76 ms vs 5.6 ms), and for up
+// to 16 queries when the step reads few keys (one sequence of 200 keys, 16 queries: 0.26 vs
+// 0.32 ms), where the torch path's fixed cost dominates. Longer verifies over long contexts and
+// prefill chunks go to SDPA's blocked GEMMs (8 x 8 queries over 1000 keys: 5.5 ms vs 2.8 ms).
+bool attention_pays(torch::Tensor seq_lens, torch::Tensor query_start_loc) {
+  const int64_t S = seq_lens.size(0);
+  // the engine's metadata is int32 already: no conversion (a copy per layer) in that case
+  auto lens = seq_lens.scalar_type() == torch::kInt ? seq_lens.contiguous() : seq_lens.to(torch::kInt);
+  auto qsl = query_start_loc.scalar_type() == torch::kInt ? query_start_loc.contiguous() : query_start_loc.to(torch::kInt);
+  const int32_t* lp = lens.data_ptr<int32_t>();
+  const int32_t* qp = qsl.data_ptr<int32_t>();
+  int64_t max_q = 0, max_len = 0, live = 0;
+  for (int64_t s = 0; s < S; ++s) {
+    const int64_t q = qp[s + 1] - qp[s];
+    if (q <= 0 || lp[s] <= 0) continue;
+    ++live;
+    max_q = std::max(max_q, q);
+    max_len = std::max<int64_t>(max_len, lp[s]);
+  }
+  return max_q <= 2 || (max_q <= 16 && live * max_len <= 1024);
+}
+
+// Native ops for compiled graphs: no Python on the path when the C++ kernels apply; otherwise the
+// specgraph:: custom op (the kernel registry) runs the call. Same arguments and results.
+torch::Tensor native_paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                     torch::Tensor block_tables, torch::Tensor seq_lens,
+                                     torch::Tensor query_start_loc, torch::Tensor positions, double scale) {
+  const bool fits = q.scalar_type() == torch::kFloat && k_cache.scalar_type() == torch::kFloat &&
+                    v_cache.scalar_type() == torch::kFloat && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                    block_tables.scalar_type() == torch::kInt && seq_lens.scalar_type() == torch::kInt &&
+                    query_start_loc.scalar_type() == torch::kInt && positions.scalar_type() == torch::kLong;
+  if (fits && attention_pays(seq_lens, query_start_loc))
+    return paged_attention_short(q.contiguous(), k_cache, v_cache, block_tables.contiguous(), seq_lens.contiguous(),
+                                 query_start_loc.contiguous(), positions.contiguous(), scale);
+  static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("specgraph::paged_attention", "")
+      .typed<torch::Tensor(torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor,
+                           torch::Tensor, double)>();
+  return op.call(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, positions, scale);
+}
+
+void native_cache_write(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
+                        torch::Tensor slot_mapping) {
+  const auto dt = k_cache.scalar_type();
+  if (k.scalar_type() == dt && v.scalar_type() == dt && v_cache.scalar_type() == dt && k_cache.is_contiguous() &&
+      v_cache.is_contiguous() && slot_mapping.scalar_type() == torch::kLong && k.dim() == 3 && v.sizes() == k.sizes() &&
+      k_cache.dim() == 4 && k.size(1) == k_cache.size(2) && k.size(2) == k_cache.size(3) &&
+      slot_mapping.dim() == 1 && slot_mapping.size(0) == k.size(0)) {
+    cache_write_rows(k.contiguous(), v.contiguous(), k_cache, v_cache, slot_mapping.contiguous());
+    return;
+  }
+  static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("specgraph::cache_write", "")
+      .typed<void(torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor)>();
+  op.call(k, v, k_cache, v_cache, slot_mapping);
+}
+
+TORCH_LIBRARY(specgraph_cpu, m) {
+  m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
+        "Tensor query_start_loc, Tensor positions, float scale) -> Tensor");
+  m.def("cache_write(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(specgraph_cpu, CPU, m) {
+  m.impl("paged_attention", &native_paged_attention);
+  m.impl("cache_write", &native_cache_write);
+}
 """
+
+#: specgraph op -> its native twin (``torch.ops.specgraph_cpu.<name>``): the same contract, the C++
+#: kernel straight from the dispatcher where it applies, else the specgraph op itself
+NATIVE_OPS = ("paged_attention", "cache_write")
 
 _EXTENSION = "specgraph_cpu_kernels"
 _lock = threading.Lock()
@@ -174,13 +245,33 @@ def load():
                 from torch.utils.cpp_extension import load_inline
 
                 _module = load_inline(
-                    name=_EXTENSION, cpp_sources=[CPP_SOURCE], functions=["paged_attention_short", "cache_write_rows"],
+                    name=_EXTENSION, cpp_sources=[CPP_SOURCE],
+                    functions=["paged_attention_short", "cache_write_rows", "attention_pays"],
                     extra_cflags=["-O3", "-march=native", "-fopenmp-simd", "-ffast-math"], verbose=False)
+                _register_native_fakes()
             except Exception as e:  # no compiler, no ninja, ...: the torch path still works
                 _error = f"{type(e).__name__}: {e}"
                 warnings.warn(f"specgraph: the C++ CPU attention kernel could not be built, using the torch path "
                               f"({_error.splitlines()[0]})", stacklevel=2)
         return _module
+
+
+def _register_native_fakes() -> None:
+    """Shapes of the native ops for FakeTensor tracing (the ops themselves are defined in C++)."""
+    @torch.library.register_fake("specgraph_cpu::paged_attention")
+    def _(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, positions, scale):
+        return q.new_empty(q.shape)
+
+    @torch.library.register_fake("specgraph_cpu::cache_write")
+    def _(k, v, k_cache, v_cache, slot_mapping):
+        return None
+
+
+def native_op(name: str):
+    """``torch.ops.specgraph_cpu.<name>.default`` when the extension is built (None otherwise)."""
+    if name not in NATIVE_OPS or load() is None:
+        return None
+    return getattr(torch.ops.specgraph_cpu, name).default
 
 
 def build_now() -> None:
@@ -224,32 +315,12 @@ def _kernel_applies(q, k_cache, v_cache) -> bool:
             and q.device.type == "cpu" and k_cache.is_contiguous() and v_cache.is_contiguous())
 
 
-SHORT_STEP_KEYS = 1024  # up to this many keys in a step, the C++ kernel wins for up to 16 queries
-
-
-def _kernel_pays(plan) -> bool:
-    """Where the C++ kernel beats the torch path (measured on SmolLM2's heads, 2 threads).
-
-    The kernel's cost grows with queries x keys (about 0.085 us per query-key pair for 9 heads of
-    64): it wins for decodes and 2-token verifies at any context (batch 8 at 1000 keys: 0.76 ms vs
-    5.6 ms), and for up to 16 queries when the step reads few keys (one sequence of 200 keys, 16
-    queries: 0.26 vs 0.32 ms), where the torch path's fixed cost dominates. Longer verifies over
-    long contexts and prefill chunks go to SDPA's blocked GEMMs (8 x 8 queries over 1000 keys:
-    5.5 ms vs 2.8 ms).
-    """
-    max_queries = max((g.num_queries for g in plan), default=0)
-    keys = sum(g.batch * g.num_keys for g in plan)
-    return max_queries <= 2 or (max_queries <= BATCHED_MAX_QUERIES and keys <= SHORT_STEP_KEYS)
-
-
 def _cpp_takes(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, positions, scale) -> bool:
     """The registry's test: float32 contiguous caches on CPU, the kernel built, and a step where it pays."""
     if not (_kernel_applies(q, k_cache, v_cache) and load() is not None):
         return False
     check_attention_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, positions)
-    plan = plan_for(block_tables, seq_lens, query_start_loc, positions, k_cache.shape[1],
-                    q.shape[1] // k_cache.shape[2])
-    return _kernel_pays(plan)
+    return bool(load().attention_pays(seq_lens, query_start_loc))
 
 
 register("paged_attention", "cpp", paged_attention_short_cpp, ("cpu",), applies=_cpp_takes, priority=10)

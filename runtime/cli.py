@@ -36,27 +36,33 @@ def _load(args):
         raise UsageError(str(e)) from e
 
 
-def _with_elapsed(what: str, fn):
-    """Run ``fn()`` while stderr shows how long it has taken (compiling has no finer progress)."""
+def _with_progress(what: str, fn):
+    """Run ``fn(progress)`` while stderr shows the stage it reported and the time taken so far."""
     done = threading.Event()
     t0 = time.perf_counter()
+    stage = ["starting"]
     tty = sys.stderr.isatty()
 
-    def tick():
-        while not done.wait(1.0):
-            if tty:
-                sys.stderr.write(f"\r{what} ... {time.perf_counter() - t0:.0f} s")
-                sys.stderr.flush()
+    def progress(name: str) -> None:
+        stage[0] = name
+        if not tty:
+            sys.stderr.write(f"{what}: {name} ({time.perf_counter() - t0:.0f} s)\n")
+            sys.stderr.flush()
 
-    sys.stderr.write(f"{what} (capture + passes, about 20-50 s on 2 cores; there is no compile cache yet) ...")
-    sys.stderr.flush()
+    def tick():
+        while not done.wait(0.5):
+            sys.stderr.write(f"\r{what}: {stage[0]} ... {time.perf_counter() - t0:.0f} s" + " " * 10)
+            sys.stderr.flush()
+
+    sys.stderr.write(f"{what} (the first run on a machine compiles for minutes; later runs reuse the cache)\n")
     ticker = threading.Thread(target=tick, daemon=True)
-    ticker.start()
+    if tty:
+        ticker.start()
     try:
-        return fn()
+        return fn(progress)
     finally:
         done.set()
-        sys.stderr.write(f"\r{what}: done in {time.perf_counter() - t0:.1f} s" + " " * 20 + "\n")
+        sys.stderr.write(f"\r{what}: done in {time.perf_counter() - t0:.1f} s" + " " * 40 + "\n")
 
 
 def _engine(args, model, tokenizer):
@@ -68,11 +74,12 @@ def _engine(args, model, tokenizer):
         torch.set_num_threads(args.threads)
     kwargs = dict(kv_dtype=args.kv_dtype, page_size=args.page_size, prefix_caching=args.prefix_caching,
                   max_num_seqs=args.max_num_seqs, dump_dir=getattr(args, "dump_dir", None), draft=args.draft,
-                  num_draft_tokens=args.num_draft_tokens)
+                  num_draft_tokens=args.num_draft_tokens, lowering=args.lowering)
     if args.num_blocks:
         kwargs["num_blocks"] = args.num_blocks
     try:
-        return _with_elapsed(f"compiling {args.model}", lambda: Engine(model, tokenizer=tokenizer, **kwargs))
+        return _with_progress(f"compiling {args.model}",
+                              lambda progress: Engine(model, tokenizer=tokenizer, progress=progress, **kwargs))
     except ValueError as e:
         raise UsageError(str(e)) from e
 
@@ -183,11 +190,13 @@ def _positive(text: str) -> int:
 
 
 def _engine_options(p: argparse.ArgumentParser) -> None:
-    from ..compiler.options import KV_DTYPES, PAGE_SIZES
+    from ..compiler.options import KV_DTYPES, LOWERINGS, PAGE_SIZES
 
     p.add_argument("--model", default=DEFAULT_MODEL, help="model name, .gguf file or HF folder")
     p.add_argument("--kv-dtype", default="auto", choices=KV_DTYPES)
     p.add_argument("--page-size", type=int, default=16, choices=PAGE_SIZES)
+    p.add_argument("--lowering", default=None, choices=LOWERINGS,
+                   help="generated code (inductor, the default) or the graph op by op (eager)")
     p.add_argument("--draft", default=None, help="speculative decoding: ngram, ngram:N or layer_skip:K")
     p.add_argument("--num-draft-tokens", type=_positive, default=4)
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false")

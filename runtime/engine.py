@@ -64,18 +64,19 @@ class Engine:
         ids and raise ``UnsupportedModelError`` on a mismatch (see ``specgraph.compiler.self_check``).
     lowering: ``"inductor"`` (generated code, compiled here for every step shape, cached on disk),
         ``"eager"`` or ``"triton-interpret"``; see :class:`~specgraph.BackendOptions`.
+    progress: optional ``progress(stage)``, told when each compile stage starts (the CLI shows it).
     """
 
     def __init__(self, model: torch.nn.Module, tokenizer=None, *, kv_dtype: str = "auto", page_size: int = 16,
                  prefix_caching: bool = True, kv_cache_memory: int = 256 << 20, num_blocks: int | None = None,
                  max_num_seqs: int = 8, max_tokens_per_step: int = 512, passes: Sequence = (),
                  dump_dir: str | None = None, draft=None, num_draft_tokens: int = 4, self_check: bool = True,
-                 lowering: str | None = None):
+                 lowering: str | None = None, progress: Callable[[str], None] | None = None):
         self.model, self.tokenizer = model, tokenizer
         options = BackendOptions(kv_dtype=kv_dtype, page_size=page_size, passes=tuple(passes), dump_dir=dump_dir,
                                  self_check=self_check, lowering=lowering)
         t0 = time.perf_counter()
-        self.program: DecoderProgram = compile_decoder(model, options)
+        self.program: DecoderProgram = compile_decoder(model, options, progress=progress)
         per_block = self.program.kv_bytes_per_token() * page_size
         self.num_blocks = num_blocks if num_blocks is not None else max(2, kv_cache_memory // per_block)
         if self.num_blocks < 2:
@@ -83,7 +84,7 @@ class Engine:
         device = self.device = next(model.parameters()).device
         self.kv_cache = self.program.new_kv_cache(self.num_blocks, device=device)
         self.table_width = self.num_blocks - 1  # one sequence may hold every usable block
-        self.program.compile_steps(self.kv_cache, self.table_width)
+        self.program.compile_steps(self.kv_cache, self.table_width, progress=progress)
         self.kv = KVCacheManager(self.num_blocks, page_size, enable_prefix_caching=prefix_caching)
         self.scheduler = Scheduler(self.kv, max_num_seqs=max_num_seqs, max_tokens_per_step=max_tokens_per_step,
                                    on_preempt=self._release_draft_state)

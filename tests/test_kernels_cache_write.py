@@ -83,6 +83,22 @@ def test_cpp_matches_ref(p):
     assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)
 
 
+@pytest.mark.parametrize("rows", [torch.float32, torch.bfloat16])
+def test_native_cache_write_copies_rows_or_falls_back(rows):
+    """``torch.ops.specgraph_cpu.cache_write``: the C++ copy for rows of the cache's dtype, the
+    registry's path (a cast) otherwise; both equal the reference."""
+    import specgraph.kernels.cpu_kernels as cpu
+
+    assert cpu.load() is not None, cpu.build_error()
+    g = torch.Generator().manual_seed(1)
+    k, v = torch.randn(3, 2, 32, generator=g).to(rows), torch.randn(3, 2, 32, generator=g).to(rows)
+    caches = [torch.zeros(2, 8, 2, 32) for _ in range(4)]
+    slots = torch.tensor([9, -1, 2])
+    torch.ops.specgraph_cpu.cache_write(k, v, caches[0], caches[1], slots)
+    cache_write_ref(k, v, caches[2], caches[3], slots)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+
+
 def test_cpp_names_a_slot_outside_the_cache():
     cache = torch.zeros(2, 8, 1, 32)
     with pytest.raises(RuntimeError, match=r"slot_mapping\[1\] = 16 is outside the cache's 16 slots"):

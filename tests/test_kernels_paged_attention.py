@@ -284,6 +284,19 @@ def test_cpu_dispatch_uses_the_cpp_kernel_where_it_pays():
           "cpp", "2 queries: the C++ kernel at any context")
 
 
+@pytest.mark.parametrize("case", ["decodes", "prefill", "bf16"])
+def test_native_op_runs_the_cpp_kernel_or_falls_back_to_the_registry(case):
+    """``torch.ops.specgraph_cpu.paged_attention`` (what compiled CPU graphs call) equals the reference
+    whether it runs the C++ kernel (decodes) or hands the call to ``specgraph::paged_attention``."""
+    _cpp()
+    seqs = {"decodes": [(37, 1, 0), (20, 2, 0)], "prefill": [(37, 30, 0), (20, 1, 0)], "bf16": [(37, 1, 0)]}[case]
+    dtype = torch.bfloat16 if case == "bf16" else torch.float32
+    b = make_batch(6, 8, kv_heads=2, group=3, head_dim=32, dtype=dtype, seqs=seqs)
+    got = torch.ops.specgraph_cpu.paged_attention(*b.args())
+    torch.testing.assert_close(got, paged_attention_ref(*b.args()), atol=ATOL[dtype], rtol=RTOL[dtype])
+    assert select("paged_attention", *b.args()).name == ("cpp" if case == "decodes" else "reference")
+
+
 def test_cpp_cpu_kernel_rejects_a_block_outside_the_cache():
     cpu = _cpp()
     b = make_batch(3, 8, kv_heads=1, group=2, head_dim=32, dtype=torch.float32, seqs=[(20, 1, 0)])
