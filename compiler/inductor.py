@@ -104,9 +104,9 @@ class _MathAsLibdevice:
         return getattr(tl.math, name)
 
 
-#: CUDA: static graphs for these stream sizes (captured as CUDA graphs by Inductor), as vLLM's
-#: capture sizes; larger steps run the dynamic graph
-CUDA_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+#: CUDA: static graphs for these stream sizes (a decode of 1 and of up to 8 sequences); larger
+#: steps run the dynamic graph. Not yet captured as CUDA graphs: that needs a GPU to test on.
+CUDA_BUCKETS = (1, 8)
 
 
 def choose_buckets(gm: fx.GraphModule, device: torch.device, rows: int = 1) -> tuple[tuple[int, ...], str]:
@@ -122,7 +122,7 @@ def choose_buckets(gm: fx.GraphModule, device: torch.device, rows: int = 1) -> t
     Returns the buckets and a line saying why.
     """
     if device.type == "cuda":
-        return CUDA_BUCKETS, "CUDA: static graphs (CUDA graphs) for vLLM-style capture sizes"
+        return CUDA_BUCKETS, f"CUDA: static graphs for {CUDA_BUCKETS} tokens, the dynamic graph above"
     if not (torch._C.has_mkl and torch.backends.mkldnn.is_available()):
         return (), "CPU without MKL: every step runs the dynamic graph (oneDNN linears)"
     weights = {}

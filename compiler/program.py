@@ -196,7 +196,12 @@ class DecoderProgram:
                  kv_cache: list[tuple[torch.Tensor, ...]]) -> torch.Tensor:
         """Run the stream. ``input_ids [N]`` -> logits ``[M, vocab]`` for ``meta.logits_indices``.
 
-        Runs the eager lowering until :meth:`compile_steps` has compiled the step graphs."""
+        Runs the eager lowering until :meth:`compile_steps` has compiled the step graphs. Ids and
+        metadata built on the host move to the program's device here."""
+        if input_ids.device != self._device:
+            input_ids = input_ids.to(self._device, non_blocking=True)
+        if meta.positions.device != self._device:
+            meta = meta.to(self._device)
         if self._steps is None:
             return self.logits_of(self._eager(*self.graph_inputs(input_ids, meta, kv_cache)), meta)
         key, shape = self._steps.shape_for(meta.shape)
@@ -231,8 +236,8 @@ class DecoderProgram:
         def run_padding_step(shape: StepShape) -> None:
             empty = AttentionMetadata.build([], self.page_size, [])
             key, _ = steps.shape_for(shape)
-            ids = torch.zeros(shape.num_tokens, dtype=torch.long, device=self.device)
-            steps(key, self.graph_inputs(ids, empty.padded(shape).to(self.device), kv_cache))
+            ids = torch.zeros(shape.num_tokens, dtype=torch.long, device=self._device)
+            steps(key, self.graph_inputs(ids, empty.padded(shape).to(self._device), kv_cache))
 
         with torch.no_grad():
             steps.warm_up(run_padding_step, table_width, progress)
@@ -249,7 +254,7 @@ class DecoderProgram:
 
     @property
     def device(self) -> torch.device:
-        return next(iter(self.gm.parameters()), torch.empty(0)).device
+        return self._device
 
     def __post_init__(self) -> None:
         analysis = self.compiled.context.analysis
@@ -257,6 +262,7 @@ class DecoderProgram:
         self._logits_index = analysis.logits_index
         self._len_name = analysis.seq_len.name if analysis.seq_len is not None else None
         self._order = [n.name for n in self.gm.graph.nodes if n.op == "placeholder"]
+        self._device = next(iter(self.gm.parameters()), torch.empty(0)).device
         options = self.compiled.context.options
         self._eager = lower(self.gm, prepack=options.prepack_weights, dump_dir=options.dump_dir)
         self._steps = None  # StepGraphs once compile_steps ran

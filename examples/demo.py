@@ -34,9 +34,10 @@ def main() -> None:
     model, tok = specgraph.load_model("smollm2-135m-instruct")
     print(f"loaded SmolLM2-135M-Instruct in {time.perf_counter() - t0:.1f} s")
     t0 = time.perf_counter()
-    engine = specgraph.Engine(model, tokenizer=tok, page_size=16, prefix_caching=True)
-    print(f"compiled (capture + passes) in {engine.compile_seconds:.1f} s; "
-          f"{engine.program.num_layers} attention sites rewritten to paged attention")
+    progress = lambda stage: print(f"  compiling: {stage} ({time.perf_counter() - t0:.0f} s)", flush=True)  # noqa: E731
+    engine = specgraph.Engine(model, tokenizer=tok, page_size=16, prefix_caching=True, progress=progress)
+    print(f"compiled (capture + passes + generated code) in {engine.compile_seconds:.1f} s; "
+          f"{engine.program.num_layers} attention sites rewritten to paged attention; {engine.program.step_plan}")
 
     prompts = [chat(tok, p) for p in CODE + CHAT]
     results = engine.generate(prompts, max_new_tokens=args.max_new_tokens)
@@ -48,7 +49,8 @@ def main() -> None:
           f"{s['target_forwards']} forwards")
 
     # speculative decoding: prompt lookup drafts k tokens, one target forward verifies them (lossless)
-    spec = specgraph.Engine(model, tokenizer=tok, draft="ngram", num_draft_tokens=4)
+    t0 = time.perf_counter()
+    spec = specgraph.Engine(model, tokenizer=tok, draft="ngram", num_draft_tokens=4, progress=progress)
     code = [chat(tok, p) for p in CODE]
     plain = engine.generate(code, max_new_tokens=args.max_new_tokens)
     plain_tps = engine.stats["tokens_per_second"]

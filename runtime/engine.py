@@ -213,7 +213,7 @@ class Engine:
                     raise RuntimeError("KV pool exhausted while scoring (other requests hold the blocks)")
                 self._copy_blocks(copies)
                 meta = AttentionMetadata.build([(self.kv.block_table(sid), start, n)], self.page_size, [list(range(n))])
-                logits = self.program(torch.tensor(ids[start:start + n]), meta, self.kv_cache)
+                logits = self.program(torch.tensor(ids[start:start + n]), meta, self.kv_cache).cpu()
                 logp = torch.log_softmax(logits.float(), dim=-1)
                 out.append(logp.gather(1, torch.tensor(ids[start + 1:start + 1 + n]).view(-1, 1)).view(-1))
                 top1.append(logp.argmax(dim=-1))
@@ -361,6 +361,8 @@ class Engine:
         meta = AttentionMetadata.build(seqs, self.page_size, want)
         t_forward = time.perf_counter()
         logits = self.program(torch.tensor(ids, dtype=torch.long), meta, self.kv_cache)
+        if logits.device.type != "cpu":  # sampling and verification decide on the host
+            logits = logits.cpu()
         t_back = time.perf_counter()
         self._stats["target_forwards"] += 1
         self._stats["kv_pool_peak_usage"] = max(self._stats["kv_pool_peak_usage"], self.kv.usage)

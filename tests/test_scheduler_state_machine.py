@@ -67,6 +67,11 @@ class HashChainProgram:
     def kv_bytes_per_token(self) -> int:
         return 8
 
+    compiles = 0  # nothing is compiled: the step is plain Python
+
+    def compile_steps(self, kv_cache, table_width, progress=None):
+        pass
+
     def new_kv_cache(self, num_blocks: int, device="cpu"):
         return [(torch.full((num_blocks, self.page_size), -1, dtype=torch.int64),)]
 
@@ -124,7 +129,7 @@ class _Dummy(torch.nn.Module):
 
 def make_engine(page_size: int, num_blocks: int, **kwargs) -> specgraph.Engine:
     program = HashChainProgram(page_size)
-    with mock.patch.object(engine_module, "compile_decoder", lambda model, options: program):
+    with mock.patch.object(engine_module, "compile_decoder", lambda model, options, progress=None: program):
         engine = specgraph.Engine(_Dummy(), page_size=page_size, num_blocks=num_blocks, **kwargs)
     program.kv = engine.kv
     return engine

@@ -18,7 +18,8 @@ NEW_TOKENS = 128
 def smollm2():
     torch.manual_seed(0)
     model, tok = specgraph.load_model("smollm2-135m-instruct")
-    engine = specgraph.Engine(model, tokenizer=tok, page_size=16, max_num_seqs=8)
+    # the generated-code lowering (the default outside tests): what users run
+    engine = specgraph.Engine(model, tokenizer=tok, page_size=16, max_num_seqs=8, lowering="inductor")
     prompts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
                for _, p in PROMPTS]
     return model, tok, engine, prompts
@@ -35,15 +36,19 @@ def _hf_greedy(model, tok, prompt, n):
 def test_greedy_equals_hugging_face_on_benchmark_prompts(smollm2):
     model, tok, engine, prompts = smollm2
     batch = engine.generate(prompts, max_new_tokens=NEW_TOKENS, ignore_eos=True)  # batch of 6
+    alone = engine.generate(prompts[:1], max_new_tokens=8, ignore_eos=True)  # batch 1: another step shape
     for prompt, result in zip(prompts, batch):
         assert result.token_ids == _hf_greedy(model, tok, prompt, NEW_TOKENS)
+    assert alone[0].token_ids == batch[0].token_ids[:8]
+    assert engine.stats["recompiles"] == 0
 
 
 def test_speculative_greedy_equals_plain(smollm2):
     model, tok, engine, prompts = smollm2
     plain = engine.generate(prompts[:2], max_new_tokens=48, ignore_eos=True)
-    for draft in ("ngram", "layer_skip:6"):
-        spec = specgraph.Engine(model, tokenizer=tok, page_size=16, draft=draft, num_draft_tokens=4)
+    for draft in ("ngram", "layer_skip:6"):  # (the eager lowering: its tokens must equal the generated code's)
+        spec = specgraph.Engine(model, tokenizer=tok, page_size=16, draft=draft, num_draft_tokens=4,
+                                lowering="eager")
         got = spec.generate(prompts[:2], max_new_tokens=48, ignore_eos=True)
         assert [r.token_ids for r in got] == [r.token_ids for r in plain]
         assert spec.stats["draft_tokens"] > 0

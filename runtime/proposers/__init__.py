@@ -21,9 +21,11 @@ def make_proposer(draft, engine: "Engine") -> Proposer:
     from .model import ModelProposer, first_layers
     from .ngram import NgramProposer
 
-    options = BackendOptions(page_size=engine.page_size, lowering=engine.program.lowering)
+    def options() -> BackendOptions:  # a draft program is compiled like the target's
+        return BackendOptions(page_size=engine.page_size, lowering=engine.program.lowering)
+
     if isinstance(draft, torch.nn.Module):
-        program = compile_decoder(draft, options)
+        program = compile_decoder(draft, options())
         if program.vocab_size != engine.program.vocab_size:
             raise ValueError(f"draft model vocabulary {program.vocab_size} != target vocabulary "
                              f"{engine.program.vocab_size}; speculative decoding needs the same tokenizer")
@@ -42,7 +44,7 @@ def make_proposer(draft, engine: "Engine") -> Proposer:
             raise ValueError(f"draft={draft!r}: layer_skip needs a layer count, e.g. 'layer_skip:8'")
         keep = int(arg)
         model = first_layers(engine.model, engine.program.num_layers, keep)
-        program = compile_decoder(model, options)
+        program = compile_decoder(model, options())
         program.compile_steps(engine.kv_cache[:keep], engine.table_width)
         return ModelProposer(draft, program, engine.kv_cache[:keep], engine.kv, engine.page_size,
                              shares_target_cache=True)
