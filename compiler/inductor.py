@@ -1,24 +1,28 @@
 """Generated code for the decode step: the transformed graph compiled by Inductor, per step shape.
 
 The eager lowering (:mod:`.lowering`) runs the graph op by op from Python, about 1,600 ATen calls
-per SmolLM2 step. Here Inductor compiles it instead: C++/OpenMP on CPU (``lowering="inductor"``),
-Triton on CUDA, or Triton run by the interpreter on CPU tensors (``lowering="triton-interpret"``,
-how CI proves the whole decoder lowers to Triton). The ``specgraph::`` kernel ops stay extern
-calls, dispatched by :mod:`.lowering`'s op registry; Inductor freezes the weights (and prepacks
-the linears for oneDNN on CPU).
+per SmolLM2 step. Here Inductor compiles it instead (``compile_fx`` straight on the captured,
+transformed graph; no second Dynamo trace): C++/OpenMP on CPU (``lowering="inductor"``), Triton on
+CUDA, or Triton run by the interpreter on CPU tensors (``lowering="triton-interpret"``, how CI
+proves the whole decoder lowers to Triton). Inductor freezes the weights and prepacks the linears.
+The kernel ops stay extern calls: on CPU their native C++ twins (``lowering.bind_native_ops``),
+elsewhere the ``specgraph::`` ops, whose bodies dispatch through ``kernels/registry.py``.
 
 Shapes. A step's graph is specialized to a :class:`~.program.StepShape` and every step is padded
 to one (``AttentionMetadata.padded``), so steady-state generation never recompiles:
 
 * one static graph per bucket ``b`` in ``buckets``: ``b`` tokens, ``b`` sequences, ``b`` logit
   rows and the widest block table (decodes of up to ``b`` sequences, short verifies);
+  :func:`choose_buckets` decides by measurement on this machine whether any pays;
 * one dynamic graph for every other step (prefill chunks, large batches): tokens, sequences,
-  logit rows and table width symbolic, each padded to at least 2 (Dynamo specializes sizes 0 and 1).
+  logit rows and table width symbolic, each padded to at least 2 (the shape environment
+  specializes sizes 0 and 1).
 
 :meth:`StepGraphs.warm_up` compiles them all when the engine is built; ``compiles`` counts every
 Inductor compile, so a compile after warm-up shows as a recompile in ``engine.stats``. Compiled
 code is cached on disk by Inductor's FX graph cache (``$TORCHINDUCTOR_CACHE_DIR``, by default
-``~/.cache/specgraph/inductor``), so a second process on the same machine reuses it.
+``~/.cache/specgraph/inductor``), so a second process on the same machine skips code generation
+(it still traces the graph and freezes the weights).
 """
 from __future__ import annotations
 
@@ -143,7 +147,7 @@ def choose_buckets(gm: fx.GraphModule, device: torch.device, rows: int = 1) -> t
     return (), line + " -> decodes run the dynamic graph (oneDNN)"
 
 
-def _time_gemv(weights: list[torch.Tensor], rows: int, repeats: int = 5) -> tuple[float, float]:
+def _time_gemv(weights: list[torch.Tensor], rows: int, repeats: int = 10) -> tuple[float, float]:
     """Seconds for one pass over ``weights`` with ``rows`` input rows: (MKL packed, oneDNN packed),
     each the best of ``repeats``, the two interleaved so that load swings hit both."""
     x = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in weights}
@@ -179,6 +183,7 @@ class StepGraphs:
         self.lowering = lowering
         self.buckets = tuple(sorted(set(buckets)))
         self.compiles = 0  # Inductor compiles, warm-up included
+        self._warm = None  # compiles when warm_up finished
         self.compile_seconds = 0.0
         self.dump_dir = dump_dir
         self._keep = [i for i, name in enumerate(placeholder_order) if name != len_name]
@@ -220,6 +225,12 @@ class StepGraphs:
             if progress is not None:
                 progress(f"step graph {i + 1}/{len(shapes)} ({name}, {self.lowering})")
             run_padding_step(shape)
+        self._warm = self.compiles
+
+    @property
+    def recompiles(self) -> int:
+        """Compiles after :meth:`warm_up` (a step shape or cache size it did not foresee)."""
+        return self.compiles - self._warm if self._warm is not None else 0
 
     # ----------------------------------------------------------------- running
     def __call__(self, key, values: list):

@@ -8,6 +8,8 @@ prefill chunks and decodes of several sequences; what differs is only :class:`At
 from __future__ import annotations
 
 import dataclasses
+import threading
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple
 
@@ -213,23 +215,48 @@ class DecoderProgram:
         return self.logits_of(out, padded)[:meta.logits_indices.numel()]
 
     def compile_steps(self, kv_cache: list[tuple[torch.Tensor, ...]], table_width: int,
-                      buckets: tuple[int, ...] | None = None, progress: Callable[[str], None] | None = None) -> None:
-        """Compile the step graphs of ``options.lowering`` for this cache now (nothing for "eager").
+                      buckets: tuple[int, ...] | None = None, progress: Callable[[str], None] | None = None,
+                      background: bool = False) -> None:
+        """Compile the step graphs of ``options.lowering`` for this cache (nothing for "eager").
 
         ``table_width``: the widest block table a step may carry (bucket graphs are specialized
         to it). ``buckets``: the static graphs' stream sizes; by default measured on this machine
         (:func:`~specgraph.compiler.inductor.choose_buckets`, its reason in ``self.step_plan``).
-        After this, every call runs generated code (see :mod:`specgraph.compiler.inductor`).
-        ``progress(stage)`` is told which graph is being compiled."""
-        if self.lowering == "eager" or self._steps is not None:
+        Once compiled, every call runs generated code (see :mod:`specgraph.compiler.inductor`).
+        ``progress(stage)`` is told which graph is being compiled. With ``background``, a thread
+        compiles while calls keep running the eager lowering; they switch to the generated code
+        when every graph is ready (:meth:`wait_for_steps`); a failure is kept in ``step_error``
+        and the program stays eager."""
+        if self.lowering == "eager" or self._steps is not None or self._compiling is not None:
             return
+        if not background:
+            self._steps = self._build_steps(kv_cache, table_width, buckets, progress)
+            return
+
+        def build() -> None:
+            try:
+                self._steps = self._build_steps(kv_cache, table_width, buckets, progress)
+            except Exception as e:  # keep serving with the eager lowering, say why
+                self.step_error = f"{type(e).__name__}: {e}"
+                warnings.warn(f"specgraph: compiling the step graphs failed, staying on the eager lowering "
+                              f"({self.step_error.splitlines()[0]})", stacklevel=1)
+
+        self._compiling = threading.Thread(target=build, name="specgraph-compile", daemon=True)
+        self._compiling.start()
+
+    def wait_for_steps(self, timeout: float | None = None) -> bool:
+        """Wait for a background compile; True when the generated code is in use."""
+        if self._compiling is not None:
+            self._compiling.join(timeout)
+        return self._steps is not None
+
+    def _build_steps(self, kv_cache, table_width: int, buckets, progress):
         from .inductor import StepGraphs, choose_buckets
 
         if buckets is None:
             buckets, self.step_plan = choose_buckets(self.gm, self.device)
         else:
             self.step_plan = f"buckets {buckets} given"
-
         steps = StepGraphs(self.gm, self._order, self._ids_name, self._len_name, self.lowering, buckets,
                            dump_dir=self.compiled.context.options.dump_dir)
 
@@ -241,12 +268,17 @@ class DecoderProgram:
 
         with torch.no_grad():
             steps.warm_up(run_padding_step, table_width, progress)
-        self._steps = steps
+        return steps
 
     @property
     def compiles(self) -> int:
-        """Inductor compiles of the step graphs so far (0 for the eager lowering)."""
+        """Inductor compiles of the step graphs so far, warm-up included (0 for the eager lowering)."""
         return self._steps.compiles if self._steps is not None else 0
+
+    @property
+    def recompiles(self) -> int:
+        """Step graphs compiled after the warm-up (0 in steady state; 0 for the eager lowering)."""
+        return self._steps.recompiles if self._steps is not None else 0
 
     @property
     def lowering(self) -> str:
@@ -266,6 +298,8 @@ class DecoderProgram:
         options = self.compiled.context.options
         self._eager = lower(self.gm, prepack=options.prepack_weights, dump_dir=options.dump_dir)
         self._steps = None  # StepGraphs once compile_steps ran
+        self._compiling: threading.Thread | None = None  # a background compile_steps
+        self.step_error: str | None = None
         self.step_plan = "eager lowering: op by op" if self.lowering == "eager" else "step graphs not compiled yet"
 
 

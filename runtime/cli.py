@@ -54,7 +54,7 @@ def _with_progress(what: str, fn):
             sys.stderr.write(f"\r{what}: {stage[0]} ... {time.perf_counter() - t0:.0f} s" + " " * 10)
             sys.stderr.flush()
 
-    sys.stderr.write(f"{what} (the first run on a machine compiles for minutes; later runs reuse the cache)\n")
+    sys.stderr.write(f"{what} (the generated code then compiles in the background; requests run meanwhile)\n")
     ticker = threading.Thread(target=tick, daemon=True)
     if tty:
         ticker.start()
@@ -74,7 +74,8 @@ def _engine(args, model, tokenizer):
         torch.set_num_threads(args.threads)
     kwargs = dict(kv_dtype=args.kv_dtype, page_size=args.page_size, prefix_caching=args.prefix_caching,
                   max_num_seqs=args.max_num_seqs, dump_dir=getattr(args, "dump_dir", None), draft=args.draft,
-                  num_draft_tokens=args.num_draft_tokens, lowering=args.lowering)
+                  num_draft_tokens=args.num_draft_tokens, lowering=args.lowering,
+                  compile_in_background=True)  # answer at once on the eager lowering, switch when compiled
     if args.num_blocks:
         kwargs["num_blocks"] = args.num_blocks
     try:

@@ -65,13 +65,18 @@ class Engine:
     lowering: ``"inductor"`` (generated code, compiled here for every step shape, cached on disk),
         ``"eager"`` or ``"triton-interpret"``; see :class:`~specgraph.BackendOptions`.
     progress: optional ``progress(stage)``, told when each compile stage starts (the CLI shows it).
+    compile_in_background: return once the graph is captured and checked; the step graphs compile
+        in a thread while requests run on the eager lowering, which they leave when the generated
+        code is ready (``engine.program.wait_for_steps()``). For interactive use: the first answer
+        does not wait for code generation.
     """
 
     def __init__(self, model: torch.nn.Module, tokenizer=None, *, kv_dtype: str = "auto", page_size: int = 16,
                  prefix_caching: bool = True, kv_cache_memory: int = 256 << 20, num_blocks: int | None = None,
                  max_num_seqs: int = 8, max_tokens_per_step: int = 512, passes: Sequence = (),
                  dump_dir: str | None = None, draft=None, num_draft_tokens: int = 4, self_check: bool = True,
-                 lowering: str | None = None, progress: Callable[[str], None] | None = None):
+                 lowering: str | None = None, progress: Callable[[str], None] | None = None,
+                 compile_in_background: bool = False):
         self.model, self.tokenizer = model, tokenizer
         options = BackendOptions(kv_dtype=kv_dtype, page_size=page_size, passes=tuple(passes), dump_dir=dump_dir,
                                  self_check=self_check, lowering=lowering)
@@ -84,7 +89,8 @@ class Engine:
         device = self.device = next(model.parameters()).device
         self.kv_cache = self.program.new_kv_cache(self.num_blocks, device=device)
         self.table_width = self.num_blocks - 1  # one sequence may hold every usable block
-        self.program.compile_steps(self.kv_cache, self.table_width, progress=progress)
+        self.program.compile_steps(self.kv_cache, self.table_width, progress=progress,
+                                   background=compile_in_background)
         self.kv = KVCacheManager(self.num_blocks, page_size, enable_prefix_caching=prefix_caching)
         self.scheduler = Scheduler(self.kv, max_num_seqs=max_num_seqs, max_tokens_per_step=max_tokens_per_step,
                                    on_preempt=self._release_draft_state)
@@ -261,7 +267,7 @@ class Engine:
         drafter = getattr(self.proposer, "program", None)
         return dict(preemptions=self.scheduler.preemptions, evictions=self.kv.block_pool.num_evictions,
                     forks=self.scheduler.forks, cow_copies=self.kv.num_cow_copies,
-                    recompiles=self.program.compiles + (drafter.compiles if drafter is not None else 0))
+                    recompiles=self.program.recompiles + (drafter.recompiles if drafter is not None else 0))
 
     # ---------------------------------------------------------------- internals
     def _new_id(self) -> int:

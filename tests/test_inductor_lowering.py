@@ -148,6 +148,21 @@ def test_triton_interpreter_shims_are_still_needed(shim):
     assert probe.returncode != 0, f"the {shim} shim is no longer needed: remove it from _shim_triton_interpreter"
 
 
+def test_background_compile_serves_eagerly_then_switches_to_generated_code():
+    """``compile_in_background``: requests run while the step graphs compile; the same tokens come
+    out before and after the switch, and the warm-up compiles do not count as recompiles."""
+    model = make_family("llama")
+    engine = specgraph.Engine(model, lowering="inductor", page_size=8, num_blocks=32, self_check=False,
+                              compile_in_background=True)
+    prompts = random_prompts("llama", [5, 8], seed=9)
+    want = [uncached_greedy(model, p, 4) for p in prompts]
+    assert [r.token_ids for r in engine.generate(prompts, max_new_tokens=4)] == want  # eager or compiled
+    assert engine.program.wait_for_steps(timeout=600) and engine.program.step_error is None
+    assert engine.program.compiles >= 1
+    assert [r.token_ids for r in engine.generate(prompts, max_new_tokens=4)] == want  # compiled
+    assert engine.stats["recompiles"] == 0
+
+
 def test_unknown_lowering_is_a_clear_error():
     with pytest.raises(ValueError, match="lowering='llvm' is not supported; valid: inductor, eager, triton-interpret"):
         BackendOptions(lowering="llvm")

@@ -67,9 +67,9 @@ class HashChainProgram:
     def kv_bytes_per_token(self) -> int:
         return 8
 
-    compiles = 0  # nothing is compiled: the step is plain Python
+    recompiles = 0  # nothing is compiled: the step is plain Python
 
-    def compile_steps(self, kv_cache, table_width, progress=None):
+    def compile_steps(self, kv_cache, table_width, progress=None, background=False):
         pass
 
     def new_kv_cache(self, num_blocks: int, device="cpu"):
