@@ -475,7 +475,8 @@ def main(argv=None) -> int:
             e = engines[mode] = specgraph.Engine(model, tokenizer=tok, page_size=args.page_size, prefix_caching=True,
                                                  max_num_seqs=max(8, args.batch), lowering=lowering)
             log(f"  compiled in {e.compile_seconds:.1f} s")
-            report[mode] = dict(compile_s=e.compile_seconds, lowering=lowering, num_blocks=e.num_blocks,
+            report[mode] = dict(compile_s=e.compile_seconds, lowering=lowering, step_plan=e.program.step_plan,
+                                num_blocks=e.num_blocks,
                                 kv_bytes_per_token=e.stats["kv_bytes_per_token"],
                                 kv_pool_bytes=sum(k.numel() * k.element_size() + v.numel() * v.element_size()
                                                   for k, v in e.kv_cache))
@@ -550,7 +551,7 @@ def main(argv=None) -> int:
         s = report[mode]
         out.append(f"{mode} Engine (lowering={s['lowering']!r}) compile: {s['compile_s']:.1f} s; KV pool "
                    f"{s['kv_pool_bytes'] / 2**20:.0f} MiB preallocated ({s['kv_bytes_per_token']} B/token, "
-                   f"page {args.page_size}), not in peak RSS")
+                   f"page {args.page_size}), not in peak RSS; {s['step_plan']}")
     if "llama_cpp" in report:
         lc = report["llama_cpp"]
         out.append(f"llama.cpp: {lc.get('skipped') or 'llama-cpp-python ' + lc['version'] + ', ' + lc['gguf']}")

@@ -108,6 +108,8 @@ class _MathAsLibdevice:
         return getattr(tl.math, name)
 
 
+_TIMED_BYTES = 160 << 20  # weights streamed by choose_buckets' timing (over any L3)
+
 #: CUDA: static graphs for these stream sizes (a decode of 1 and of up to 8 sequences); larger
 #: steps run the dynamic graph. Not yet captured as CUDA graphs: that needs a GPU to test on.
 CUDA_BUCKETS = (1, 8)
@@ -119,35 +121,38 @@ def choose_buckets(gm: fx.GraphModule, device: torch.device, rows: int = 1) -> t
     On CUDA: :data:`CUDA_BUCKETS`. On CPU the choice is the GEMM library: Inductor runs the linears
     of a graph with a static row count through MKL's packed GEMM, and those of a graph with a
     symbolic row count through oneDNN's (both over weights it prepacks). Which is faster for a
-    decode's few rows differs between CPUs (on an AMD EPYC with AVX2, oneDNN read SmolLM2's weights
-    1.35x faster at one row), so this times both on the graph's own weight shapes and compiles a
-    static bucket of ``rows`` rows only where MKL wins; otherwise decodes run the dynamic graph,
-    padded to 2 rows (a memory-bound GEMV costs the same for 1 and 2 rows).
+    decode's few rows differs between CPUs (on an AMD EPYC with AVX2, SmolLM2's decode step took
+    41 ms with MKL and 30 ms with oneDNN), so this times both streaming the graph's own weights
+    (more bytes than any CPU cache: timing one small matrix again and again measures the cache,
+    and picked the wrong library) and compiles a static bucket of ``rows`` rows only where MKL wins;
+    otherwise decodes run the dynamic graph, padded to 2 rows (a memory-bound GEMV costs the same
+    for 1 and 2 rows).
     Returns the buckets and a line saying why.
     """
     if device.type == "cuda":
         return CUDA_BUCKETS, f"CUDA: static graphs for {CUDA_BUCKETS} tokens, the dynamic graph above"
     if not (torch._C.has_mkl and torch.backends.mkldnn.is_available()):
         return (), "CPU without MKL: every step runs the dynamic graph (oneDNN linears)"
-    weights = {}
-    for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target == torch.ops.aten.linear.default:
+    weights, total = [], 0
+    for node in gm.graph.nodes:  # the model's own weights, in order, until they exceed any CPU cache
+        if node.op == "call_function" and node.target == torch.ops.aten.linear.default and total < _TIMED_BYTES:
             w = node.args[1]
             if isinstance(w, fx.Node) and w.op == "get_attr":
                 t = attr_value(gm, w.target)
                 if isinstance(t, torch.Tensor) and t.dim() == 2 and t.dtype == torch.float32:
-                    weights.setdefault(tuple(t.shape), t.detach())
+                    weights.append(t.detach())
+                    total += t.numel() * 4
     if not weights:
         return (), "no float32 linears: every step runs the dynamic graph"
-    mkl_s, onednn_s = _time_gemv(list(weights.values()), rows)
-    line = (f"GEMM at {rows} row(s) on this CPU, the model's {len(weights)} linear shapes: MKL packed "
+    mkl_s, onednn_s = _time_gemv(weights, rows)
+    line = (f"GEMM at {rows} row(s) on this CPU over {total / 2**20:.0f} MiB of the model's weights: MKL packed "
             f"{mkl_s * 1e3:.2f} ms, oneDNN packed {onednn_s * 1e3:.2f} ms")
     if mkl_s < 0.95 * onednn_s:
         return (rows,), line + f" -> a static bucket of {rows} (MKL)"
     return (), line + " -> decodes run the dynamic graph (oneDNN)"
 
 
-def _time_gemv(weights: list[torch.Tensor], rows: int, repeats: int = 10) -> tuple[float, float]:
+def _time_gemv(weights: list[torch.Tensor], rows: int, repeats: int = 5) -> tuple[float, float]:
     """Seconds for one pass over ``weights`` with ``rows`` input rows: (MKL packed, oneDNN packed),
     each the best of ``repeats``, the two interleaved so that load swings hit both."""
     x = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in weights}
