@@ -7,6 +7,7 @@ prefill chunks and decodes of several sequences; what differs is only :class:`At
 """
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import threading
 import warnings
@@ -115,6 +116,8 @@ class StepShape(NamedTuple):
     num_logits: int
     table_width: int
 
+
+COMPILE_THREAD = "specgraph-compile"  # the thread of a background compile_steps
 
 _CACHE_INPUTS = ("k_cache", "v_cache", "k_scale", "v_scale")  # per-layer graph inputs, in allocation order
 
@@ -241,8 +244,9 @@ class DecoderProgram:
                 warnings.warn(f"specgraph: compiling the step graphs failed, staying on the eager lowering "
                               f"({self.step_error.splitlines()[0]})", stacklevel=1)
 
-        self._compiling = threading.Thread(target=build, name="specgraph-compile", daemon=True)
+        self._compiling = threading.Thread(target=build, name=COMPILE_THREAD, daemon=True)
         self._compiling.start()
+        atexit.register(self._compiling.join)  # a process must not end under a thread in native code
 
     def wait_for_steps(self, timeout: float | None = None) -> bool:
         """Wait for a background compile; True when the generated code is in use."""

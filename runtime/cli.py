@@ -259,10 +259,23 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
-        return args.fn(args)
+        code = args.fn(args)
     except UsageError as e:
         print(f"specgraph: error: {e}", file=sys.stderr)
         return 2
+    _leave_background_compile(code)
+    return code
+
+
+def _leave_background_compile(code: int) -> None:
+    """A one-shot command that finished before the background compile did exits now, without
+    waiting for it (the compile is abandoned: interpreter shutdown under a thread in the middle of
+    native code would abort the process)."""
+    program = sys.modules.get("specgraph.compiler.program")  # (not imported: nothing was compiled)
+    if program is not None and any(t.name == program.COMPILE_THREAD and t.is_alive() for t in threading.enumerate()):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 if __name__ == "__main__":
