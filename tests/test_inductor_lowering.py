@@ -89,6 +89,21 @@ def test_inductor_engine_equals_reference_and_never_recompiles(family, tmp_path)
     assert any("specgraph_cpu.paged_attention" in k for kernels in index.values() for k in kernels)
 
 
+@pytest.mark.parametrize("kv_dtype", ["bfloat16", "fp8", "int4"])
+def test_inductor_engine_with_other_caches_equals_the_eager_engine(kv_dtype):
+    """Quantized and 16-bit caches: the generated code calls the same kernels (the native ops hand
+    these calls to the registry), so its tokens equal the eager lowering's."""
+    model = make_family("llama")
+    prompts = random_prompts("llama", [6, 11], seed=4)
+    out = {}
+    for lowering in ("eager", "inductor"):
+        engine = specgraph.Engine(model, lowering=lowering, kv_dtype=kv_dtype, page_size=8, num_blocks=32,
+                                  self_check=False)
+        out[lowering] = [r.token_ids for r in engine.generate(prompts, max_new_tokens=5)]
+        assert engine.stats["recompiles"] == 0
+    assert out["inductor"] == out["eager"]
+
+
 def test_static_buckets_and_the_dynamic_graph_equal_the_eager_program():
     """Steps of 1 token (bucket 1), 3 tokens (padded to bucket 4) and 9 tokens (dynamic graph), over two
     caches filled identically: the compiled program's logits equal the eager program's."""
