@@ -31,6 +31,7 @@ import json
 import os
 import re
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -39,7 +40,7 @@ import torch.fx as fx
 from ..kernels.config import use_triton_kernels
 from ..passes.graph_utils import attr_value
 from .dump import Dumper
-from .lowering import bind_native_ops
+from .lowering import bind_gemv, bind_native_ops
 from .passes import copy_graph_module
 
 _STREAM_INPUTS = ("positions", "slot_mapping", "block_tables", "seq_lens", "query_start_loc", "logits_indices")
@@ -115,24 +116,32 @@ _TIMED_BYTES = 160 << 20  # weights streamed by choose_buckets' timing (over any
 CUDA_BUCKETS = (1, 8)
 
 
-def choose_buckets(gm: fx.GraphModule, device: torch.device, rows: int = 1) -> tuple[tuple[int, ...], str]:
-    """Which static step graphs to compile, decided by measurement on this machine.
+@dataclass(frozen=True)
+class StepPlan:
+    """Which graphs to compile: static ``buckets`` (their linears run ``bucket_linears``: Inductor's
+    own choice, or specgraph's C++ ``gemv``) and the dynamic graph; ``reason`` says why."""
 
-    On CUDA: :data:`CUDA_BUCKETS`. On CPU the choice is the GEMM library: Inductor runs the linears
-    of a graph with a static row count through MKL's packed GEMM, and those of a graph with a
-    symbolic row count through oneDNN's (both over weights it prepacks). Which is faster for a
-    decode's few rows differs between CPUs (on an AMD EPYC with AVX2, SmolLM2's decode step took
-    41 ms with MKL and 30 ms with oneDNN), so this times both streaming the graph's own weights
-    (more bytes than any CPU cache: timing one small matrix again and again measures the cache,
-    and picked the wrong library) and compiles a static bucket of ``rows`` rows only where MKL wins;
-    otherwise decodes run the dynamic graph, padded to 2 rows (a memory-bound GEMV costs the same
-    for 1 and 2 rows).
-    Returns the buckets and a line saying why.
-    """
+    buckets: tuple[int, ...]
+    bucket_linears: str  # "inductor" or "gemv"
+    reason: str
+
+
+def choose_buckets(gm: fx.GraphModule, device: torch.device) -> StepPlan:
+    """The step graphs to compile, decided by measurement on this machine.
+
+    On CUDA: :data:`CUDA_BUCKETS`. On CPU the choice is how a decode's linears run, which is most
+    of a batch-1 step. Inductor runs the linears of a graph with a static row count through MKL's
+    packed GEMM and those of a graph with a symbolic row count through oneDNN's; specgraph also has
+    a C++ few-row kernel (``specgraph_cpu::gemv``, the weights streamed once per two rows). Which
+    wins differs between CPUs and even with the load (on an AMD EPYC with AVX2: oneDNN 8.2 ms, MKL
+    10.7 ms over 160 MiB when quiet), so this times the three streaming the graph's own weights
+    (more bytes than any CPU cache: timing one small matrix again and again measures the cache, and
+    once picked a library 1.35x slower on the real step) and compiles a static graph for 1-token
+    steps only when MKL or the C++ kernel beats oneDNN at 2 rows (the dynamic graph pads a decode
+    to 2 rows; a memory-bound GEMV costs about the same for 1 and 2)."""
     if device.type == "cuda":
-        return CUDA_BUCKETS, f"CUDA: static graphs for {CUDA_BUCKETS} tokens, the dynamic graph above"
-    if not (torch._C.has_mkl and torch.backends.mkldnn.is_available()):
-        return (), "CPU without MKL: every step runs the dynamic graph (oneDNN linears)"
+        return StepPlan(CUDA_BUCKETS, "inductor", f"CUDA: static graphs for {CUDA_BUCKETS} tokens, the dynamic "
+                                                  "graph above")
     weights, total = [], 0
     for node in gm.graph.nodes:  # the model's own weights, in order, until they exceed any CPU cache
         if node.op == "call_function" and node.target == torch.ops.aten.linear.default and total < _TIMED_BYTES:
@@ -143,50 +152,58 @@ def choose_buckets(gm: fx.GraphModule, device: torch.device, rows: int = 1) -> t
                     weights.append(t.detach())
                     total += t.numel() * 4
     if not weights:
-        return (), "no float32 linears: every step runs the dynamic graph"
-    mkl_s, onednn_s = _time_gemv(weights, rows)
-    line = (f"GEMM at {rows} row(s) on this CPU over {total / 2**20:.0f} MiB of the model's weights: MKL packed "
-            f"{mkl_s * 1e3:.2f} ms, oneDNN packed {onednn_s * 1e3:.2f} ms")
-    if mkl_s < 0.95 * onednn_s:
-        return (rows,), line + f" -> a static bucket of {rows} (MKL)"
-    return (), line + " -> decodes run the dynamic graph (oneDNN)"
+        return StepPlan((), "inductor", "no float32 linears: every step runs the dynamic graph")
+    times = _time_linears(weights)
+    line = (f"few-row GEMMs over {total / 2**20:.0f} MiB of the model's weights: "
+            + ", ".join(f"{name} {t * 1e3:.2f} ms" for name, t in times.items()))
+    best = min(times, key=times.get)
+    if best == "oneDNN (2 rows)" or times[best] > 0.95 * times["oneDNN (2 rows)"]:
+        return StepPlan((), "inductor", line + " -> decodes run the dynamic graph (oneDNN)")
+    linears = "gemv" if best.startswith("specgraph") else "inductor"
+    return StepPlan((1,), linears, line + f" -> a static graph for 1-token steps ({best})")
 
 
-def _time_gemv(weights: list[torch.Tensor], rows: int, repeats: int = 5) -> tuple[float, float]:
-    """Seconds for one pass over ``weights`` with ``rows`` input rows: (MKL packed, oneDNN packed),
-    each the best of ``repeats``, the two interleaved so that load swings hit both."""
-    x = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in weights}
-    mkl = [(w, torch.ops.mkl._mkl_reorder_linear_weight(w, rows)) for w in weights]
-    dnn = [(w, torch.ops.mkldnn._reorder_linear_weight(w, rows)) for w in weights]
+def _time_linears(weights: list[torch.Tensor], repeats: int = 5) -> dict[str, float]:
+    """Seconds for one pass over ``weights`` per candidate, each the best of ``repeats``, the
+    candidates interleaved so that load swings hit all of them."""
+    from ..kernels import cpu_kernels
 
-    def run_mkl():
-        for w, packed in mkl:
-            torch.ops.mkl._mkl_linear(x[w.shape[1]], packed, w, None, rows)
-
-    def run_dnn():
-        for w, packed in dnn:
-            torch.ops.mkldnn._linear_pointwise(x[w.shape[1]], packed, None, "none", [], "")
-
-    best = [float("inf"), float("inf")]
+    x = {rows: {w.shape[1]: torch.randn(rows, w.shape[1]) for w in weights} for rows in (1, 2)}
+    runs = {}
+    if torch.backends.mkldnn.is_available():
+        dnn = [(w, torch.ops.mkldnn._reorder_linear_weight(w, 2)) for w in weights]
+        runs["oneDNN (2 rows)"] = lambda: [torch.ops.mkldnn._linear_pointwise(x[2][w.shape[1]], p, None, "none", [], "")
+                                           for w, p in dnn]
+    if torch._C.has_mkl:
+        mkl = [(w, torch.ops.mkl._mkl_reorder_linear_weight(w, 1)) for w in weights]
+        runs["MKL (1 row)"] = lambda: [torch.ops.mkl._mkl_linear(x[1][w.shape[1]], p, w, None, 1) for w, p in mkl]
+    gemv = cpu_kernels.native_op("gemv")
+    if gemv is not None:
+        runs["specgraph gemv (1 row)"] = lambda: [gemv(x[1][w.shape[1]], w, None) for w in weights]
+    if "oneDNN (2 rows)" not in runs:
+        return {"oneDNN (2 rows)": 0.0}  # nothing to compare against: keep the dynamic graph
+    best = {name: float("inf") for name in runs}
     with torch.no_grad():
-        run_mkl(), run_dnn()  # warm-up
+        for fn in runs.values():  # warm-up
+            fn()
         for _ in range(repeats):
-            for i, fn in enumerate((run_mkl, run_dnn)):
+            for name, fn in runs.items():
                 t0 = time.perf_counter()
                 fn()
-                best[i] = min(best[i], time.perf_counter() - t0)
-    return best[0], best[1]
+                best[name] = min(best[name], time.perf_counter() - t0)
+    return best
 
 
 class StepGraphs:
     """Compiled step graphs of one decoder program (see module docstring)."""
 
     def __init__(self, gm: fx.GraphModule, placeholder_order: list[str], ids_name: str, len_name: str | None,
-                 lowering: str, buckets: tuple[int, ...], dump_dir: str | None = None):
+                 lowering: str, buckets: tuple[int, ...], dump_dir: str | None = None, bucket_linears: str = "inductor"):
         if lowering not in ("inductor", "triton-interpret"):
             raise ValueError(f"StepGraphs compiles the inductor lowerings; got {lowering!r}")
         self.lowering = lowering
         self.buckets = tuple(sorted(set(buckets)))
+        self.bucket_linears = bucket_linears
         self.compiles = 0  # Inductor compiles, warm-up included
         self._warm = None  # compiles when warm_up finished
         self.compile_seconds = 0.0
@@ -257,6 +274,8 @@ class StepGraphs:
         t0 = time.perf_counter()
         name = f"bucket{key}" if key != "dynamic" else "dynamic"
         gm = copy_graph_module(self._base)
+        if key != "dynamic" and self.bucket_linears == "gemv":
+            bind_gemv(gm)
         if key == "dynamic":
             fake_mode, examples = _symbolic_inputs(inputs, self._names, self._ids_name)
             with torch._guards.tracing(torch._guards.TracingContext(fake_mode)):

@@ -219,12 +219,13 @@ class DecoderProgram:
 
     def compile_steps(self, kv_cache: list[tuple[torch.Tensor, ...]], table_width: int,
                       buckets: tuple[int, ...] | None = None, progress: Callable[[str], None] | None = None,
-                      background: bool = False) -> None:
+                      background: bool = False, bucket_linears: str = "inductor") -> None:
         """Compile the step graphs of ``options.lowering`` for this cache (nothing for "eager").
 
         ``table_width``: the widest block table a step may carry (bucket graphs are specialized
         to it). ``buckets``: the static graphs' stream sizes; by default measured on this machine
-        (:func:`~specgraph.compiler.inductor.choose_buckets`, its reason in ``self.step_plan``).
+        (:func:`~specgraph.compiler.inductor.choose_buckets`, its reason in ``self.step_plan``);
+        given buckets run their linears as ``bucket_linears`` ("inductor" or "gemv").
         Once compiled, every call runs generated code (see :mod:`specgraph.compiler.inductor`).
         ``progress(stage)`` is told which graph is being compiled. With ``background``, a thread
         compiles while calls keep running the eager lowering; they switch to the generated code
@@ -233,12 +234,12 @@ class DecoderProgram:
         if self.lowering == "eager" or self._steps is not None or self._compiling is not None:
             return
         if not background:
-            self._steps = self._build_steps(kv_cache, table_width, buckets, progress)
+            self._steps = self._build_steps(kv_cache, table_width, buckets, progress, bucket_linears)
             return
 
         def build() -> None:
             try:
-                self._steps = self._build_steps(kv_cache, table_width, buckets, progress)
+                self._steps = self._build_steps(kv_cache, table_width, buckets, progress, bucket_linears)
             except Exception as e:  # keep serving with the eager lowering, say why
                 self.step_error = f"{type(e).__name__}: {e}"
                 warnings.warn(f"specgraph: compiling the step graphs failed, staying on the eager lowering "
@@ -254,15 +255,16 @@ class DecoderProgram:
             self._compiling.join(timeout)
         return self._steps is not None
 
-    def _build_steps(self, kv_cache, table_width: int, buckets, progress):
+    def _build_steps(self, kv_cache, table_width: int, buckets, progress, bucket_linears: str):
         from .inductor import StepGraphs, choose_buckets
 
         if buckets is None:
-            buckets, self.step_plan = choose_buckets(self.gm, self.device)
+            plan = choose_buckets(self.gm, self.device)
+            buckets, bucket_linears, self.step_plan = plan.buckets, plan.bucket_linears, plan.reason
         else:
-            self.step_plan = f"buckets {buckets} given"
+            self.step_plan = f"buckets {buckets} given, linears: {bucket_linears}"
         steps = StepGraphs(self.gm, self._order, self._ids_name, self._len_name, self.lowering, buckets,
-                           dump_dir=self.compiled.context.options.dump_dir)
+                           dump_dir=self.compiled.context.options.dump_dir, bucket_linears=bucket_linears)
 
         def run_padding_step(shape: StepShape) -> None:
             empty = AttentionMetadata.build([], self.page_size, [])

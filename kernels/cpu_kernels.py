@@ -181,6 +181,72 @@ bool attention_pays(torch::Tensor seq_lens, torch::Tensor query_start_loc) {
   return max_q <= 2 || (max_q <= 16 && live * max_len <= 1024);
 }
 
+// Few-row linear: y[m, n] = x[m, :] . w[n, :] (+ b[n]) for float32 x [..., K] and w [N, K] (both
+// contiguous), the weights streamed once for every two rows of x. Each thread owns a contiguous
+// range of output rows (one sequential stream through the weights).
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+static inline float hsum8(__m256 v) {
+  __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  lo = _mm_hadd_ps(lo, lo);
+  lo = _mm_hadd_ps(lo, lo);
+  return _mm_cvtss_f32(lo);
+}
+#endif
+
+template <int R>
+static void gemv_block(const float* x, const float* w, const float* b, float* y, int64_t K, int64_t N, int64_t n0,
+                       int64_t n1) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const float* wr = w + n * K;
+    float acc[R];
+    int64_t k = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    __m256 a0[R], a1[R];
+    for (int r = 0; r < R; ++r) a0[r] = a1[r] = _mm256_setzero_ps();
+    for (; k + 16 <= K; k += 16) {
+      const __m256 w0 = _mm256_loadu_ps(wr + k), w1 = _mm256_loadu_ps(wr + k + 8);
+      for (int r = 0; r < R; ++r) {
+        a0[r] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + r * K + k), a0[r]);
+        a1[r] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + r * K + k + 8), a1[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r) acc[r] = hsum8(_mm256_add_ps(a0[r], a1[r]));
+#else
+    for (int r = 0; r < R; ++r) acc[r] = 0.f;
+#endif
+    for (; k < K; ++k)
+      for (int r = 0; r < R; ++r) acc[r] += x[r * K + k] * wr[k];
+    for (int r = 0; r < R; ++r) y[r * N + n] = acc[r] + (b ? b[n] : 0.f);
+  }
+}
+
+torch::Tensor gemv(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat && w.scalar_type() == torch::kFloat && w.dim() == 2 &&
+              x.size(-1) == w.size(1), "gemv: float32 x [..., K] and w [N, K]");
+  auto xs = x.reshape({-1, x.size(-1)}).contiguous();
+  auto wc = w.contiguous();
+  const int64_t M = xs.size(0), K = xs.size(1), N = wc.size(0);
+  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
+  out_shape.back() = N;
+  auto y = torch::empty({M, N}, x.options());
+  torch::Tensor bc = bias.has_value() ? bias->contiguous() : torch::Tensor();
+  const float* bp = bias.has_value() ? bc.data_ptr<float>() : nullptr;
+  const float* xp = xs.data_ptr<float>();
+  const float* wp = wc.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t T = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), N / 64));
+  at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t n0 = N * t / T, n1 = N * (t + 1) / T;
+      int64_t m = 0;
+      for (; m + 2 <= M; m += 2) gemv_block<2>(xp + m * K, wp, bp, yp + m * N, K, N, n0, n1);
+      if (m < M) gemv_block<1>(xp + m * K, wp, bp, yp + m * N, K, N, n0, n1);
+    }
+  });
+  return y.view(out_shape);
+}
+
 // Native ops for compiled graphs: no Python on the path when the C++ kernels apply; otherwise the
 // specgraph:: custom op (the kernel registry) runs the call. Same arguments and results.
 torch::Tensor native_paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
@@ -215,6 +281,7 @@ void native_cache_write(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache,
 }
 
 TORCH_LIBRARY(specgraph_cpu, m) {
+  m.def("gemv(Tensor x, Tensor w, Tensor? bias) -> Tensor");
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
         "Tensor query_start_loc, Tensor positions, float scale) -> Tensor");
   m.def("cache_write(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
@@ -223,12 +290,14 @@ TORCH_LIBRARY(specgraph_cpu, m) {
 TORCH_LIBRARY_IMPL(specgraph_cpu, CPU, m) {
   m.impl("paged_attention", &native_paged_attention);
   m.impl("cache_write", &native_cache_write);
+  m.impl("gemv", &gemv);
 }
 """
 
-#: specgraph op -> its native twin (``torch.ops.specgraph_cpu.<name>``): the same contract, the C++
-#: kernel straight from the dispatcher where it applies, else the specgraph op itself
-NATIVE_OPS = ("paged_attention", "cache_write")
+#: native ops (``torch.ops.specgraph_cpu.<name>``): the twins of specgraph ops (the same contract, the
+#: C++ kernel straight from the dispatcher where it applies, else the specgraph op itself), and
+#: ``gemv``, the few-row linear that decode graphs may use instead of a GEMM library
+NATIVE_OPS = ("paged_attention", "cache_write", "gemv")
 
 _EXTENSION = "specgraph_cpu_kernels"
 _lock = threading.Lock()
@@ -265,6 +334,10 @@ def _register_native_fakes() -> None:
     @torch.library.register_fake("specgraph_cpu::cache_write")
     def _(k, v, k_cache, v_cache, slot_mapping):
         return None
+
+    @torch.library.register_fake("specgraph_cpu::gemv")
+    def _(x, w, bias):
+        return x.new_empty((*x.shape[:-1], w.shape[0]))
 
 
 def native_op(name: str):

@@ -104,14 +104,16 @@ def test_inductor_engine_with_other_caches_equals_the_eager_engine(kv_dtype):
     assert out["inductor"] == out["eager"]
 
 
-def test_static_buckets_and_the_dynamic_graph_equal_the_eager_program():
+@pytest.mark.parametrize("linears", ["inductor", "gemv"])
+def test_static_buckets_and_the_dynamic_graph_equal_the_eager_program(linears):
     """Steps of 1 token (bucket 1), 3 tokens (padded to bucket 4) and 9 tokens (dynamic graph), over two
-    caches filled identically: the compiled program's logits equal the eager program's."""
+    caches filled identically: the compiled program's logits equal the eager program's, whether the
+    buckets' linears are Inductor's or the C++ few-row kernel."""
     model = make_family("sdpa_gqa")
     compiled = compile_decoder(model, BackendOptions(page_size=8, lowering="inductor", self_check=False))
     eager = compile_decoder(model, BackendOptions(page_size=8, lowering="eager", self_check=False))
     cache_c, cache_e = compiled.new_kv_cache(12), eager.new_kv_cache(12)
-    compiled.compile_steps(cache_c, table_width=6, buckets=(1, 4))
+    compiled.compile_steps(cache_c, table_width=6, buckets=(1, 4), bucket_linears=linears)
     assert compiled.compiles == 3
     g = torch.Generator().manual_seed(0)
     steps = [[([1, 2], 0, 9)], [([1, 2], 9, 1)], [([1, 2], 10, 1), ([3], 0, 2)], [([1, 2, 4], 11, 6), ([3], 2, 3)]]

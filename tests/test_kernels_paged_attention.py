@@ -297,6 +297,20 @@ def test_native_op_runs_the_cpp_kernel_or_falls_back_to_the_registry(case):
     assert select("paged_attention", *b.args()).name == ("cpp" if case == "decodes" else "reference")
 
 
+@settings(max_examples=20, deadline=None)
+@given(rows=st.integers(1, 5), k=st.integers(1, 300), n=st.integers(1, 200), bias=st.booleans(), lead=st.booleans())
+def test_cpp_gemv_matches_linear(rows, k, n, bias, lead):
+    """``specgraph_cpu::gemv`` (the few-row linear decode graphs may use) == ``F.linear``: any row
+    count (pairs and a single row), K not a multiple of the vector width, leading dims, bias."""
+    _cpp()
+    g = torch.Generator().manual_seed(rows * 1000 + k)
+    x = torch.randn((1, rows, k) if lead else (rows, k), generator=g)
+    w = torch.randn(n, k, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    torch.testing.assert_close(torch.ops.specgraph_cpu.gemv(x, w, b), torch.nn.functional.linear(x, w, b),
+                               rtol=1e-5, atol=1e-4)
+
+
 def test_cpp_cpu_kernel_rejects_a_block_outside_the_cache():
     cpu = _cpp()
     b = make_batch(3, 8, kv_heads=1, group=2, head_dim=32, dtype=torch.float32, seqs=[(20, 1, 0)])
