@@ -60,7 +60,7 @@ class AttentionMetadata:
             qsl.append(qsl[-1] + n)
             lens.append(start + n)
         width = max([1] + [len(t) for t, _, _ in seqs])
-        tables = torch.tensor([list(t) + [0] * (width - len(t)) for t, _, _ in seqs] or [[0]] * 0,
+        tables = torch.tensor([list(t) + [0] * (width - len(t)) for t, _, _ in seqs],
                               dtype=torch.int32).view(len(seqs), width)
         return AttentionMetadata(
             positions=torch.tensor(positions, dtype=torch.int64), slot_mapping=torch.tensor(slots, dtype=torch.int64),
