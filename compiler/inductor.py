@@ -142,6 +142,8 @@ def choose_buckets(gm: fx.GraphModule, device: torch.device) -> StepPlan:
     if device.type == "cuda":
         return StepPlan(CUDA_BUCKETS, "inductor", f"CUDA: static graphs for {CUDA_BUCKETS} tokens, the dynamic "
                                                   "graph above")
+    if not torch.backends.mkldnn.is_available():
+        return StepPlan((), "inductor", "CPU without oneDNN: every step runs the dynamic graph")
     weights, total = [], 0
     for node in gm.graph.nodes:  # the model's own weights, in order, until they exceed any CPU cache
         if node.op == "call_function" and node.target == torch.ops.aten.linear.default and total < _TIMED_BYTES:
@@ -169,19 +171,15 @@ def _time_linears(weights: list[torch.Tensor], repeats: int = 5) -> dict[str, fl
     from ..kernels import cpu_kernels
 
     x = {rows: {w.shape[1]: torch.randn(rows, w.shape[1]) for w in weights} for rows in (1, 2)}
-    runs = {}
-    if torch.backends.mkldnn.is_available():
-        dnn = [(w, torch.ops.mkldnn._reorder_linear_weight(w, 2)) for w in weights]
-        runs["oneDNN (2 rows)"] = lambda: [torch.ops.mkldnn._linear_pointwise(x[2][w.shape[1]], p, None, "none", [], "")
-                                           for w, p in dnn]
+    dnn = [(w, torch.ops.mkldnn._reorder_linear_weight(w, 2)) for w in weights]
+    runs = {"oneDNN (2 rows)": lambda: [torch.ops.mkldnn._linear_pointwise(x[2][w.shape[1]], p, None, "none", [], "")
+                                        for w, p in dnn]}
     if torch._C.has_mkl:
         mkl = [(w, torch.ops.mkl._mkl_reorder_linear_weight(w, 1)) for w in weights]
         runs["MKL (1 row)"] = lambda: [torch.ops.mkl._mkl_linear(x[1][w.shape[1]], p, w, None, 1) for w, p in mkl]
     gemv = cpu_kernels.native_op("gemv")
     if gemv is not None:
         runs["specgraph gemv (1 row)"] = lambda: [gemv(x[1][w.shape[1]], w, None) for w in weights]
-    if "oneDNN (2 rows)" not in runs:
-        return {"oneDNN (2 rows)": 0.0}  # nothing to compare against: keep the dynamic graph
     best = {name: float("inf") for name in runs}
     with torch.no_grad():
         for fn in runs.values():  # warm-up

@@ -129,7 +129,7 @@ def test_triton_interpret_lowering_runs_a_decoder_end_to_end(tmp_path):
     for CPU tensors plus specgraph's Triton kernels, all in the interpreter, greedy equal to the
     reference."""
     if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("needs TRITON_INTERPRET=1 before triton is imported (tests/conftest.py sets it)")
+        pytest.fail("needs TRITON_INTERPRET=1 before triton is imported (tests/conftest.py sets it)")
     model = make_family("llama")
     engine = specgraph.Engine(model, lowering="triton-interpret", page_size=8, num_blocks=32,
                               dump_dir=str(tmp_path), self_check=False)
@@ -190,7 +190,7 @@ def test_backend_path_with_generated_code_equals_the_model(lowering, tmp_path):
     """``torch.compile(model, backend=specgraph.backend(lowering=...))``: one graph for every length,
     outputs equal to the model's, the generated code dumped."""
     if lowering == "triton-interpret" and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("needs TRITON_INTERPRET=1 before triton is imported (tests/conftest.py sets it)")
+        pytest.fail("needs TRITON_INTERPRET=1 before triton is imported (tests/conftest.py sets it)")
     model = make_family("nanogpt")
     be = specgraph.backend(lowering=lowering, dump_dir=str(tmp_path))
     compiled = torch.compile(model, backend=be, dynamic=True, fullgraph=True)
