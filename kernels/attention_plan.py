@@ -36,30 +36,35 @@ class AttentionGroup:
     keep: torch.Tensor | None  # [M] int64 padded rows that are real (None: all)
     out_rows: torch.Tensor | slice  # [M] stream rows the real rows are written to (or a slice)
     mask: torch.Tensor | None  # [B, 1, G * Q, L] bool, True = visible; None: all visible
+    query_positions: torch.Tensor  # [B, Q] int64 positions of the padded query rows (ALiBi's bias)
 
 
-class _LastPlan:
+class _LastStep:
     key: tuple = ()
     tensors: tuple = ()
-    plan: list[AttentionGroup] = []
+    plans: dict = {}  # (page_size, group, window) -> plan, for the step's metadata tensors
 
 
-_LAST = _LastPlan()
+_LAST = _LastStep()
 
 
-def plan_for(block_tables, seq_lens, query_start_loc, positions, page_size: int, group: int) -> list[AttentionGroup]:
-    """The step's plan, built on the first call for these metadata tensors and reused after."""
+def plan_for(block_tables, seq_lens, query_start_loc, positions, page_size: int, group: int,
+             window: int = 0) -> list[AttentionGroup]:
+    """The step's plan, built on the first call for these metadata tensors and reused after (one per
+    layer shape and window: layers with and without a sliding window may alternate)."""
     tensors = (block_tables, seq_lens, query_start_loc, positions)
-    key = (page_size, group) + tuple(t._version for t in tensors)
+    key = tuple(t._version for t in tensors)
     # identity, not equality: the cached tensors are kept alive, so their ids cannot be reused
-    if key == _LAST.key and all(a is b for a, b in zip(tensors, _LAST.tensors)):
-        return _LAST.plan
-    plan = build_plan(block_tables, seq_lens, query_start_loc, positions, page_size, group)
-    _LAST.key, _LAST.tensors, _LAST.plan = key, tensors, plan
-    return plan
+    if not (key == _LAST.key and all(a is b for a, b in zip(tensors, _LAST.tensors))):
+        _LAST.key, _LAST.tensors, _LAST.plans = key, tensors, {}
+    kind = (page_size, group, window)
+    if kind not in _LAST.plans:
+        _LAST.plans[kind] = build_plan(block_tables, seq_lens, query_start_loc, positions, page_size, group, window)
+    return _LAST.plans[kind]
 
 
-def build_plan(block_tables, seq_lens, query_start_loc, positions, page_size: int, group: int) -> list[AttentionGroup]:
+def build_plan(block_tables, seq_lens, query_start_loc, positions, page_size: int, group: int,
+               window: int = 0) -> list[AttentionGroup]:
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
     # a sequence without keys (a step's padding sequence) reads nothing: its rows stay 0
@@ -69,13 +74,13 @@ def build_plan(block_tables, seq_lens, query_start_loc, positions, page_size: in
     long = [r for r in runs if r[2] > BATCHED_MAX_QUERIES]
     tables = block_tables.long()
     num_tokens = positions.shape[0]
-    groups = [_group(tables, positions, [r], page_size, group, num_tokens) for r in long]
+    groups = [_group(tables, positions, [r], page_size, group, num_tokens, window) for r in long]
     if short:
-        groups.append(_group(tables, positions, short, page_size, group, num_tokens))
+        groups.append(_group(tables, positions, short, page_size, group, num_tokens, window))
     return groups
 
 
-def _group(tables, positions, runs, page_size: int, group: int, num_tokens: int) -> AttentionGroup:
+def _group(tables, positions, runs, page_size: int, group: int, num_tokens: int, window: int) -> AttentionGroup:
     device = positions.device
     B = len(runs)
     qmax = max(n for _, _, n, _ in runs)
@@ -103,13 +108,16 @@ def _group(tables, positions, runs, page_size: int, group: int, num_tokens: int)
         keep = valid.nonzero().view(-1)
         out_rows = rows.index_select(0, keep)
         q_pos = torch.where(valid, positions.index_select(0, rows), 0).view(B, qmax)
-    # a query at position p sees keys 0..p of its own sequence (capped at the sequence's length)
+    # a query at position p sees keys 0..p of its own sequence (capped at the sequence's length), and
+    # with a sliding window only the last `window` of them (p - window < j)
     visible = (key_pos.view(1, 1, L) <= q_pos.view(B, qmax, 1)) & live.view(B, 1, L)  # [B, Q, L]
+    if window > 0:
+        visible &= key_pos.view(1, 1, L) > q_pos.view(B, qmax, 1) - window
     if bool(visible.all()):
         mask = None
     else:
         mask = visible.repeat(1, group, 1).unsqueeze(1)  # [B, 1, G * Q, L]; row g * Q + t
-    return AttentionGroup(B, qmax, L, slots, query_rows, keep, out_rows, mask)
+    return AttentionGroup(B, qmax, L, slots, query_rows, keep, out_rows, mask, q_pos.long())
 
 
 def attend(
@@ -118,10 +126,14 @@ def attend(
     gather: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
     kv_heads: int,
     scale: float,
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [N, num_heads, head_dim], q.dtype, contiguous
     """Run the plan: per group one gather of its slots and one SDPA call (GQA folded into queries).
 
     ``gather(slots) -> (k, v)``, each ``[len(slots), kv_heads, head_dim]`` in any float dtype.
+    ``softcap`` and ``alibi_slopes`` change the scores (see :func:`scores_then_softmax`); the
+    window is in the plan's masks.
     """
     num_tokens, num_heads, head_dim = q.shape
     G = num_heads // kv_heads
@@ -133,10 +145,38 @@ def attend(
         v = v.view(B, L, kv_heads, head_dim).transpose(1, 2).float()
         q_g = q[grp.query_rows] if isinstance(grp.query_rows, slice) else q.index_select(0, grp.query_rows)
         q_g = q_g.float().view(B, Q, kv_heads, G, head_dim).permute(0, 2, 3, 1, 4).reshape(B, kv_heads, G * Q, head_dim)
-        o = F.scaled_dot_product_attention(q_g, k, v, attn_mask=grp.mask, scale=scale)  # [B, KVH, G*Q, D]
+        if softcap > 0 or alibi_slopes is not None:
+            o = scores_then_softmax(q_g, k, v, grp, scale, softcap, alibi_slopes)
+        else:
+            o = F.scaled_dot_product_attention(q_g, k, v, attn_mask=grp.mask, scale=scale)  # [B, KVH, G*Q, D]
         o = o.view(B, kv_heads, G, Q, head_dim).permute(0, 3, 1, 2, 4).reshape(B * Q, num_heads, head_dim)
         if grp.keep is None:
             out[grp.out_rows] = o
         else:
             out.index_copy_(0, grp.out_rows, o.index_select(0, grp.keep).to(out.dtype))
     return out
+
+
+def scores_then_softmax(q_g, k, v, grp: AttentionGroup, scale: float, softcap: float,
+                        alibi_slopes: torch.Tensor | None) -> torch.Tensor:
+    """Attention with modified scores, for one group (``q_g [B, KVH, G*Q, D]``; k, v ``[B, KVH, L, D]``).
+
+    The score of query ``t`` (position ``p``, head ``h``) for key ``j`` is ``s = scale * q.k``, then
+    ``softcap * tanh(s / softcap)`` when ``softcap > 0`` (Gemma 2), then plus
+    ``alibi_slopes[h] * (j - p)`` when slopes are given (ALiBi; the same softmax as Bloom's
+    ``slope * j``, without the large values); masked keys are dropped; softmax in float32.
+    """
+    B, KVH, GQ, _ = q_g.shape
+    Q, L = grp.num_queries, grp.num_keys
+    G = GQ // Q
+    s = torch.matmul(q_g, k.transpose(-1, -2)) * scale  # [B, KVH, G*Q, L]
+    if softcap > 0:
+        s = torch.tanh(s / softcap) * softcap
+    if alibi_slopes is not None:
+        slopes = alibi_slopes.float().view(1, KVH, G, 1, 1)
+        dist = (torch.arange(L, device=s.device).view(1, 1, 1, 1, L)
+                - grp.query_positions.view(B, 1, 1, Q, 1))  # [B, 1, 1, Q, L]
+        s = s + (slopes * dist).view(B, KVH, GQ, L)
+    if grp.mask is not None:
+        s = s.masked_fill(~grp.mask, float("-inf"))
+    return torch.matmul(torch.softmax(s, dim=-1), v)

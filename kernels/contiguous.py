@@ -47,11 +47,16 @@ def contiguous_attention(
     query_start_loc: torch.Tensor,  # [S + 1] int32
     positions: torch.Tensor,  # [N] int64
     scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     tables = cache_rows.view(-1, 1).to(torch.int32)
-    return paged_attention_ref(q, k_cache, v_cache, tables, seq_lens, query_start_loc, positions, scale)
+    return paged_attention_ref(q, k_cache, v_cache, tables, seq_lens, query_start_loc, positions, scale,
+                               window, softcap, alibi_slopes)
 
 
 @contiguous_attention.register_fake
-def _(q, k_cache, v_cache, cache_rows, seq_lens, query_start_loc, positions, scale):
+def _(q, k_cache, v_cache, cache_rows, seq_lens, query_start_loc, positions, scale, window=0, softcap=0.0,
+      alibi_slopes=None):
     return q.new_empty(q.shape)

@@ -31,7 +31,7 @@ import warnings
 import torch
 
 from .cache_write import check_cache_write_args
-from .paged_attention import check_attention_args
+from .paged_attention import check_attention_args, has_variant
 from .registry import register
 
 CPP_SOURCE = r"""
@@ -251,8 +251,10 @@ torch::Tensor gemv(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor
 // specgraph:: custom op (the kernel registry) runs the call. Same arguments and results.
 torch::Tensor native_paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor seq_lens,
-                                     torch::Tensor query_start_loc, torch::Tensor positions, double scale) {
-  const bool fits = q.scalar_type() == torch::kFloat && k_cache.scalar_type() == torch::kFloat &&
+                                     torch::Tensor query_start_loc, torch::Tensor positions, double scale,
+                                     int64_t window, double softcap, c10::optional<torch::Tensor> alibi_slopes) {
+  const bool plain = window == 0 && softcap == 0.0 && !alibi_slopes.has_value();
+  const bool fits = plain && q.scalar_type() == torch::kFloat && k_cache.scalar_type() == torch::kFloat &&
                     v_cache.scalar_type() == torch::kFloat && k_cache.is_contiguous() && v_cache.is_contiguous() &&
                     block_tables.scalar_type() == torch::kInt && seq_lens.scalar_type() == torch::kInt &&
                     query_start_loc.scalar_type() == torch::kInt && positions.scalar_type() == torch::kLong;
@@ -261,8 +263,9 @@ torch::Tensor native_paged_attention(torch::Tensor q, torch::Tensor k_cache, tor
                                  query_start_loc.contiguous(), positions.contiguous(), scale);
   static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("specgraph::paged_attention", "")
       .typed<torch::Tensor(torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor,
-                           torch::Tensor, double)>();
-  return op.call(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, positions, scale);
+                           torch::Tensor, double, int64_t, double, c10::optional<torch::Tensor>)>();
+  return op.call(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, positions, scale, window, softcap,
+                 alibi_slopes);
 }
 
 void native_cache_write(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
@@ -283,7 +286,8 @@ void native_cache_write(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache,
 TORCH_LIBRARY(specgraph_cpu, m) {
   m.def("gemv(Tensor x, Tensor w, Tensor? bias) -> Tensor");
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
-        "Tensor query_start_loc, Tensor positions, float scale) -> Tensor");
+        "Tensor query_start_loc, Tensor positions, float scale, int window=0, float softcap=0.0, "
+        "Tensor? alibi_slopes=None) -> Tensor");
   m.def("cache_write(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
 }
 
@@ -328,7 +332,8 @@ def load():
 def _register_native_fakes() -> None:
     """Shapes of the native ops for FakeTensor tracing (the ops themselves are defined in C++)."""
     @torch.library.register_fake("specgraph_cpu::paged_attention")
-    def _(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, positions, scale):
+    def _(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, positions, scale, window=0, softcap=0.0,
+          alibi_slopes=None):
         return q.new_empty(q.shape)
 
     @torch.library.register_fake("specgraph_cpu::cache_write")
@@ -372,7 +377,8 @@ def build_error() -> str | None:
     return _error
 
 
-def paged_attention_short_cpp(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, positions, scale):
+def paged_attention_short_cpp(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, positions, scale,
+                              window=0, softcap=0.0, alibi_slopes=None):
     """The C++ kernel (same contract as ``paged_attention_ref``; float32 q and caches, any query counts)."""
     module = load()
     if module is None:
@@ -388,8 +394,11 @@ def _kernel_applies(q, k_cache, v_cache) -> bool:
             and q.device.type == "cpu" and k_cache.is_contiguous() and v_cache.is_contiguous())
 
 
-def _cpp_takes(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, positions, scale) -> bool:
+def _cpp_takes(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, positions, scale, window=0,
+               softcap=0.0, alibi_slopes=None) -> bool:
     """The registry's test: float32 contiguous caches on CPU, the kernel built, and a step where it pays."""
+    if has_variant(window, softcap, alibi_slopes):
+        return False
     if not (_kernel_applies(q, k_cache, v_cache) and load() is not None):
         return False
     check_attention_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, positions)

@@ -3,7 +3,7 @@
 * ``torch.ops.specgraph.cache_write(k, v, k_cache, v_cache, slot_mapping) -> None``
   (mutates ``k_cache`` and ``v_cache``; aot_autograd wraps it in ``auto_functionalized``)
 * ``torch.ops.specgraph.paged_attention(q, k_cache, v_cache, block_tables, seq_lens,
-  query_start_loc, positions, scale) -> Tensor``
+  query_start_loc, positions, scale, window=0, softcap=0.0, alibi_slopes=None) -> Tensor``
 
 Each body hands the call to ``registry.dispatch``, the one rule that picks an implementation
 (Triton on CUDA or when forced, the C++ kernel for CPU decodes, else the torch reference).
@@ -50,11 +50,17 @@ def paged_attention(
     query_start_loc: torch.Tensor,  # [S + 1] int32
     positions: torch.Tensor,  # [N] int64
     scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,  # [num_heads] float
 ) -> torch.Tensor:  # [N, num_heads, head_dim], q.dtype, contiguous
-    """Causal paged attention of a flat token stream (see ``paged_attention.py``)."""
-    return dispatch("paged_attention", q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, positions, scale)
+    """Causal paged attention of a flat token stream, with the optional score modifiers
+    (sliding window, soft-capping, ALiBi; see ``paged_attention.py``)."""
+    return dispatch("paged_attention", q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, positions, scale,
+                    window, softcap, alibi_slopes)
 
 
 @paged_attention.register_fake
-def _paged_attention_fake(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, positions, scale):
+def _paged_attention_fake(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, positions, scale, window=0,
+                          softcap=0.0, alibi_slopes=None):
     return q.new_empty(q.shape)

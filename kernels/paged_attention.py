@@ -10,6 +10,13 @@ position
     keys ``0..positions[i]`` (inclusive) of its own sequence, capped at
     ``seq_lens[s] - 1``. This covers prefill, chunked prefill (positions start > 0),
     decode (one token at ``seq_len - 1``) and speculative verification (a few tokens).
+variant
+    three optional score modifiers every attention kernel takes (``check_variant``):
+    ``window > 0``, a sliding window: token ``i`` sees only keys ``j > positions[i] - window``
+    (Mistral, Gemma 2's local layers); ``softcap > 0``: scores become
+    ``softcap * tanh(score / softcap)`` (Gemma 2); ``alibi_slopes [num_heads]``: head ``h``'s
+    score gains ``alibi_slopes[h] * (j - positions[i])`` (ALiBi, Bloom). Order: scale, cap,
+    bias, mask, softmax.
 block table
     ``block_tables[s, j]`` is the cache block holding positions
     ``j * page_size .. (j + 1) * page_size - 1`` of sequence ``s``; blocks may be shared
@@ -92,6 +99,24 @@ def check_same_device(*tensors: torch.Tensor) -> None:
         raise ValueError(f"all tensors must be on one device; got {sorted(map(str, devices))}")
 
 
+def check_variant(q: torch.Tensor, window: int, softcap: float, alibi_slopes: torch.Tensor | None) -> None:
+    """Validate the score modifiers (module glossary, "variant"); raises ``ValueError``."""
+    if window < 0:
+        raise ValueError(f"window must be >= 0 (0: no sliding window); got {window}")
+    if softcap < 0:
+        raise ValueError(f"softcap must be >= 0 (0: no soft-capping); got {softcap}")
+    if alibi_slopes is not None:
+        if alibi_slopes.shape != (q.shape[1],) or not alibi_slopes.is_floating_point():
+            raise ValueError(f"alibi_slopes must be float [num_heads={q.shape[1]}]; got "
+                             f"{alibi_slopes.dtype} {tuple(alibi_slopes.shape)}")
+        check_same_device(q, alibi_slopes)
+
+
+def has_variant(window: int, softcap: float, alibi_slopes: torch.Tensor | None) -> bool:
+    """Whether any score modifier is on (kernels without them decline such calls)."""
+    return window > 0 or softcap > 0 or alibi_slopes is not None
+
+
 def check_attention_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, positions) -> None:
     """Validate shapes/dtypes/devices; raises ``ValueError`` naming the bad argument."""
     if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
@@ -116,6 +141,9 @@ def paged_attention_ref(
     query_start_loc: torch.Tensor,  # [S + 1] int32, cumulative query counts
     positions: torch.Tensor,  # [N] int64, position of each query token in its sequence
     scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,  # [num_heads] float
 ) -> torch.Tensor:  # [N, num_heads, head_dim], q.dtype
     """Pure-torch paged attention, computed in float32 (the reference; see ``cpu_kernels.py`` for
     the CPU dispatch).
@@ -137,13 +165,15 @@ def paged_attention_ref(
     torch.Size([3, 2, 32])
     """
     check_attention_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, positions)
+    check_variant(q, window, softcap, alibi_slopes)
 
     def gather(slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # index_select: ~5x faster than advanced indexing
         return k_cache.flatten(0, 1).index_select(0, slots), v_cache.flatten(0, 1).index_select(0, slots)
 
     return attend_pages_ref(q, block_tables, seq_lens, query_start_loc, positions, scale,
-                            page_size=k_cache.shape[1], kv_heads=k_cache.shape[2], gather=gather)
+                            page_size=k_cache.shape[1], kv_heads=k_cache.shape[2], gather=gather,
+                            window=window, softcap=softcap, alibi_slopes=alibi_slopes)
 
 
 def attend_pages_ref(
@@ -157,6 +187,9 @@ def attend_pages_ref(
     page_size: int,
     kv_heads: int,
     gather: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+    window: int = 0,
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [N, num_heads, head_dim], q.dtype
     """The math of :func:`paged_attention_ref` over K/V that ``gather`` fetches by slot.
 
@@ -167,8 +200,8 @@ def attend_pages_ref(
     metadata-only work (slots, masks) is planned once per step (``attention_plan.py``).
     Arguments are assumed validated by the caller.
     """
-    plan = plan_for(block_tables, seq_lens, query_start_loc, positions, page_size, q.shape[1] // kv_heads)
-    return attend(q, plan, gather, kv_heads, scale)
+    plan = plan_for(block_tables, seq_lens, query_start_loc, positions, page_size, q.shape[1] // kv_heads, window)
+    return attend(q, plan, gather, kv_heads, scale, softcap, alibi_slopes)
 
 
 def token_seq_ids(query_start_loc: torch.Tensor, num_tokens: int) -> torch.Tensor:  # [N] int32
@@ -190,6 +223,9 @@ def paged_attention_triton(
     query_start_loc: torch.Tensor,  # [S + 1] int32
     positions: torch.Tensor,  # [N] int64
     scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [N, num_heads, head_dim], q.dtype
     """Triton paged attention; same contract as :func:`paged_attention_ref`.
 
@@ -202,6 +238,9 @@ def paged_attention_triton(
     cores; fp32 caches use exact fp32 products (no tf32).
     """
     check_attention_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, positions)
+    check_variant(q, window, softcap, alibi_slopes)
+    if has_variant(window, softcap, alibi_slopes):
+        raise NotImplementedError("the Triton kernels do not take window/softcap/alibi_slopes yet")
     if q.stride(-1) != 1:
         raise ValueError("q must be contiguous in head_dim (stride(-1) == 1)")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):

@@ -5,7 +5,7 @@ are the float ops' (``ops.py``) with ``k_scale, v_scale`` after ``v_cache``:
 
 * ``torch.ops.specgraph.cache_write_fp8(k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping) -> None``
 * ``torch.ops.specgraph.paged_attention_fp8(q, k_cache, v_cache, k_scale, v_scale, block_tables,
-  seq_lens, query_start_loc, positions, scale) -> Tensor``
+  seq_lens, query_start_loc, positions, scale, window=0, softcap=0.0, alibi_slopes=None) -> Tensor``
 * ``torch.ops.specgraph.cache_write_int4(...)`` / ``torch.ops.specgraph.paged_attention_int4(...)``:
   same arguments, int4 layout.
 
@@ -74,10 +74,13 @@ def paged_attention_fp8(
     query_start_loc: torch.Tensor,  # [S + 1] int32
     positions: torch.Tensor,  # [N] int64
     scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,  # [num_heads] float
 ) -> torch.Tensor:  # [N, num_heads, head_dim], q.dtype, contiguous
-    """Causal paged attention over an fp8 cache (see ``quant_paged_attention.py``)."""
+    """Causal paged attention over an fp8 cache, with the score modifiers (see ``quant_paged_attention.py``)."""
     return dispatch("paged_attention_fp8", q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens,
-                    query_start_loc, positions, scale)
+                    query_start_loc, positions, scale, window, softcap, alibi_slopes)
 
 
 @torch.library.custom_op("specgraph::paged_attention_int4", mutates_args=())
@@ -92,19 +95,22 @@ def paged_attention_int4(
     query_start_loc: torch.Tensor,  # [S + 1] int32
     positions: torch.Tensor,  # [N] int64
     scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,  # [num_heads] float
 ) -> torch.Tensor:  # [N, num_heads, head_dim], q.dtype, contiguous
-    """Causal paged attention over an int4 cache (see ``quant_paged_attention.py``)."""
+    """Causal paged attention over an int4 cache, with the score modifiers (see ``quant_paged_attention.py``)."""
     return dispatch("paged_attention_int4", q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens,
-                    query_start_loc, positions, scale)
+                    query_start_loc, positions, scale, window, softcap, alibi_slopes)
 
 
 @paged_attention_fp8.register_fake
 def _paged_attention_fp8_fake(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, query_start_loc,
-                              positions, scale):
+                              positions, scale, window=0, softcap=0.0, alibi_slopes=None):
     return q.new_empty(q.shape)
 
 
 @paged_attention_int4.register_fake
 def _paged_attention_int4_fake(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, query_start_loc,
-                               positions, scale):
+                               positions, scale, window=0, softcap=0.0, alibi_slopes=None):
     return q.new_empty(q.shape)

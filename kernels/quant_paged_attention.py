@@ -29,6 +29,8 @@ from .paged_attention import (
     attend_pages_ref,
     check_same_device,
     check_stream_args,
+    check_variant,
+    has_variant,
     token_seq_ids,
 )
 from .quant import QuantLayout, dequantize_fp8, dequantize_int4, fp8_layout, int4_layout
@@ -60,6 +62,9 @@ def paged_attention_fp8_ref(
     query_start_loc: torch.Tensor,  # [S + 1] int32
     positions: torch.Tensor,  # [N] int64
     scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,  # [num_heads] float
 ) -> torch.Tensor:  # [N, num_heads, head_dim], q.dtype
     """Pure-torch paged attention over an fp8 cache: ``paged_attention_ref`` on dequantized pages.
 
@@ -84,8 +89,10 @@ def paged_attention_fp8_ref(
         v = dequantize_fp8(_slots(v_cache, slots), _slots(v_scale, slots))
         return k, v
 
+    check_variant(q, window, softcap, alibi_slopes)
     return attend_pages_ref(q, block_tables, seq_lens, query_start_loc, positions, scale,
-                            page_size=layout.page_size, kv_heads=layout.kv_heads, gather=gather)
+                            page_size=layout.page_size, kv_heads=layout.kv_heads, gather=gather,
+                            window=window, softcap=softcap, alibi_slopes=alibi_slopes)
 
 
 def paged_attention_int4_ref(
@@ -99,6 +106,9 @@ def paged_attention_int4_ref(
     query_start_loc: torch.Tensor,  # [S + 1] int32
     positions: torch.Tensor,  # [N] int64
     scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,  # [num_heads] float
 ) -> torch.Tensor:  # [N, num_heads, head_dim], q.dtype
     """Pure-torch paged attention over an int4 cache: ``paged_attention_ref`` on dequantized pages."""
     layout = _check_args(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, query_start_loc, positions,
@@ -109,12 +119,14 @@ def paged_attention_int4_ref(
         v = dequantize_int4(_slots(v_cache, slots), _slots(v_scale, slots))
         return k, v
 
+    check_variant(q, window, softcap, alibi_slopes)
     return attend_pages_ref(q, block_tables, seq_lens, query_start_loc, positions, scale,
-                            page_size=layout.page_size, kv_heads=layout.kv_heads, gather=gather)
+                            page_size=layout.page_size, kv_heads=layout.kv_heads, gather=gather,
+                            window=window, softcap=softcap, alibi_slopes=alibi_slopes)
 
 
 def paged_attention_fp8_triton(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, query_start_loc,
-                               positions, scale) -> torch.Tensor:
+                               positions, scale, window=0, softcap=0.0, alibi_slopes=None) -> torch.Tensor:
     """Triton paged attention over an fp8 cache; same contract as :func:`paged_attention_fp8_ref`.
 
     Requirements beyond the ref as for ``paged_attention_triton``: q contiguous in
@@ -122,15 +134,21 @@ def paged_attention_fp8_triton(q, k_cache, v_cache, k_scale, v_scale, block_tabl
     """
     layout = _check_args(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, query_start_loc, positions,
                          fp8_layout)
+    check_variant(q, window, softcap, alibi_slopes)
+    if has_variant(window, softcap, alibi_slopes):
+        raise NotImplementedError("the Triton kernels do not take window/softcap/alibi_slopes yet")
     return _launch(q, k_cache.view(torch.uint8), v_cache.view(torch.uint8), k_scale, v_scale, block_tables,
                    seq_lens, query_start_loc, positions, scale, layout, int4=False)
 
 
 def paged_attention_int4_triton(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, query_start_loc,
-                                positions, scale) -> torch.Tensor:
+                               positions, scale, window=0, softcap=0.0, alibi_slopes=None) -> torch.Tensor:
     """Triton paged attention over an int4 cache; same contract as :func:`paged_attention_int4_ref`."""
     layout = _check_args(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, query_start_loc, positions,
                          int4_layout)
+    check_variant(q, window, softcap, alibi_slopes)
+    if has_variant(window, softcap, alibi_slopes):
+        raise NotImplementedError("the Triton kernels do not take window/softcap/alibi_slopes yet")
     return _launch(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, query_start_loc, positions, scale,
                    layout, int4=True)
 

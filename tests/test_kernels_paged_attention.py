@@ -120,8 +120,31 @@ def batches(draw, head_dims=st.sampled_from([32, 64]), max_tokens=40, max_contex
     )
 
 
-def naive_dense_attention(b: Batch) -> torch.Tensor:
-    """Per token, per head, float64 softmax over contiguous keys 0..position."""
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """The score modifiers every attention kernel takes (``paged_attention.py``, "variant")."""
+
+    window: int = 0
+    softcap: float = 0.0
+    alibi_slopes: torch.Tensor | None = None
+
+    def args(self):
+        return (self.window, self.softcap, self.alibi_slopes)
+
+
+@st.composite
+def variants(draw, num_heads: int):
+    """A sliding window (any width, 1 included), a soft cap, ALiBi slopes, each on or off."""
+    slopes = None
+    if draw(st.booleans()):
+        slopes = torch.tensor([2.0 ** -(8 * (h + 1) / num_heads) for h in range(num_heads)])
+    return Variant(window=draw(st.sampled_from([0, 0, 1, 3, 8, 17, 40])),
+                   softcap=draw(st.sampled_from([0.0, 0.0, 0.5, 30.0])), alibi_slopes=slopes)
+
+
+def naive_dense_attention(b: Batch, variant: Variant = Variant()) -> torch.Tensor:
+    """Per token, per head, float64 softmax over contiguous keys 0..position (the variant's keys and
+    scores: ``window``, ``softcap``, ``alibi_slopes``)."""
     num_tokens, num_heads, _ = b.q.shape
     group = num_heads // b.k_cache.shape[2]
     out = torch.zeros(b.q.shape, dtype=torch.float64)
@@ -129,11 +152,16 @@ def naive_dense_attention(b: Batch) -> torch.Tensor:
     for s in range(len(starts) - 1):
         for i in range(starts[s], starts[s + 1]):
             p = int(b.positions[i])
+            first = max(0, p - variant.window + 1) if variant.window else 0
             for h in range(num_heads):
-                k = b.dense_k[s][: p + 1, h // group].double()
-                v = b.dense_v[s][: p + 1, h // group].double()
-                w = torch.softmax(k @ b.q[i, h].double() * b.scale, dim=0)
-                out[i, h] = w @ v
+                k = b.dense_k[s][first: p + 1, h // group].double()
+                v = b.dense_v[s][first: p + 1, h // group].double()
+                scores = k @ b.q[i, h].double() * b.scale
+                if variant.softcap:
+                    scores = variant.softcap * torch.tanh(scores / variant.softcap)
+                if variant.alibi_slopes is not None:
+                    scores = scores + float(variant.alibi_slopes[h]) * torch.arange(first - p, 1).double()
+                out[i, h] = torch.softmax(scores, dim=0) @ v
     return out
 
 
@@ -144,6 +172,16 @@ def test_ref_matches_naive_dense(b):
     assert out.dtype == b.q.dtype and out.shape == b.q.shape
     dtype = b.q.dtype
     torch.testing.assert_close(out.double(), naive_dense_attention(b), atol=ATOL[dtype], rtol=RTOL[dtype])
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.data())
+def test_ref_with_window_softcap_alibi_matches_naive_dense(data):
+    b = data.draw(batches())
+    variant = data.draw(variants(b.q.shape[1]))
+    out = paged_attention_ref(*b.args(), *variant.args())
+    dtype = b.q.dtype
+    torch.testing.assert_close(out.double(), naive_dense_attention(b, variant), atol=ATOL[dtype], rtol=RTOL[dtype])
 
 
 @settings(max_examples=15, deadline=None)
