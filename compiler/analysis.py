@@ -13,9 +13,13 @@ import math
 from dataclasses import dataclass, field
 
 import networkx as nx
+import sympy
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
+
+from .attention_masks import NEG_LARGE, MaskError, allowed, alibi_slopes, split_additive, window_of
+from .index_algebra import VIEWS, IndexAlgebra, broadcast_to, dim_symbol, is_predicate
 
 aten = torch.ops.aten
 
@@ -45,8 +49,10 @@ class UnsupportedModelError(ValueError):
 class AttentionSite:
     """One attention computation (one per layer in a decoder).
 
-    Shapes are those of the captured graph: ``q`` and ``output`` are ``[B, heads, T, head_dim]``,
-    ``k`` and ``v`` are ``[B, kv_heads, T, head_dim]`` (taken before any GQA expansion).
+    Shapes are those of the captured graph: ``q`` and ``output`` are ``[B, heads, T, head_dim]``
+    (``output`` may fold ``B * heads`` into one dim, as Bloom's ``bmm`` does), ``k`` and ``v`` are
+    ``[B, kv_heads, T, head_dim]`` (taken before any GQA expansion). The mask and score modifiers are
+    proved by :func:`prove_sites`: ``window`` (0: plain causal), ``softcap``, ``alibi_slopes``.
     """
 
     layer: int
@@ -59,13 +65,22 @@ class AttentionSite:
     kv_heads: int
     head_dim: int
     scale: float
-    causal: bool = False
-    mask: fx.Node | None = None  # the mask operand, when the pattern had one
+    operands: tuple = ()  # q, k, v exactly as the attention consumes them (after GQA expansion, reshapes)
+    score_shape: tuple = ()  # the scores' shape: [..., heads, queries, keys]
+    is_causal: bool = False  # SDPA's flag
+    masks: list = field(default_factory=list)  # (node, how, fill): how = "keep" | "drop" (True = masked) | "add"
+    causal: bool = False  # proved: every mask is causal, maybe with a window
+    window: int = 0
+    softcap: float = 0.0
+    alibi_slopes: torch.Tensor | None = None  # [heads] float32
 
     def describe(self) -> str:
+        extras = "".join([f" window={self.window}" if self.window else "",
+                          f" softcap={self.softcap:g}" if self.softcap else "",
+                          " alibi" if self.alibi_slopes is not None else ""])
         return (f"layer {self.layer}: {self.kind} q={self.q.name} k={self.k.name} v={self.v.name} "
                 f"out={self.output.name} heads={self.heads} kv_heads={self.kv_heads} "
-                f"head_dim={self.head_dim} scale={self.scale:.6g} causal={self.causal}")
+                f"head_dim={self.head_dim} scale={self.scale:.6g} causal={self.causal}{extras}")
 
 
 @dataclass
@@ -155,54 +170,105 @@ def _sdpa_site(node: fx.Node, layer: int) -> AttentionSite:
     head_dim = _static(qs[3], "head_dim", q)
     k_src, v_src = _gqa_source(k, heads), _gqa_source(v, heads)
     scale = params.get("scale")
+    mask = params.get("attn_mask")
+    masks = []
+    if mask is not None:
+        masks.append((mask, "keep" if _val(mask).dtype == torch.bool else "add", None))
     return AttentionSite(layer=layer, kind="sdpa", q=q, k=k_src, v=v_src, output=node, heads=heads,
                          kv_heads=_static(_shape(k_src)[1], "kv_heads", k_src), head_dim=head_dim,
                          scale=float(scale) if scale is not None else 1.0 / math.sqrt(head_dim),
-                         causal=bool(params.get("is_causal", False)), mask=params.get("attn_mask"))
+                         operands=(q, k, v), score_shape=(*qs[:3], _shape(k)[2]),
+                         is_causal=bool(params.get("is_causal", False)), masks=masks)
 
 
-def _manual_site(softmax: fx.Node, layer: int) -> AttentionSite:
-    expected = "matmul(q, k^T) -> [mul|div scale] -> [masked_fill|add|where mask] -> softmax -> matmul(., v)"
+def _four_d(node: fx.Node) -> fx.Node:
+    """Walk back through reshapes to the ``[B, heads, T, head_dim]`` tensor a 3-d ``bmm`` operand folds."""
+    cur = node
+    while len(_shape(cur)) != 4 and cur.op == "call_function" and cur.target in VIEWS | PASS_THROUGH:
+        cur = cur.args[0]
+    if len(_shape(cur)) != 4:
+        raise UnsupportedAttentionError(f"{node.name}: expected an attention operand [B, heads, T, head_dim] "
+                                        f"(or a reshape of one); got {_shape(node)}")
+    return cur
+
+
+def _softcap(x: fx.Node) -> tuple[float, fx.Node]:
+    """``c * tanh(y / c)`` -> (c, y); anything else -> (0, x)."""
+    if x.target in (aten.mul.Tensor, aten.mul.Scalar) and not isinstance(x.args[1], fx.Node):
+        t = _skip(x.args[0], PASS_THROUGH)
+        if t.target == aten.tanh.default:
+            inner = _skip(t.args[0], PASS_THROUGH)
+            cap = float(x.args[1])
+            if inner.target in (aten.div.Tensor, aten.div.Scalar) and inner.args[1] == cap:
+                return cap, inner.args[0]
+            if inner.target in (aten.mul.Tensor, aten.mul.Scalar) and not isinstance(inner.args[1], fx.Node) \
+                    and math.isclose(float(inner.args[1]) * cap, 1.0, rel_tol=1e-6):
+                return cap, inner.args[0]
+    return 0.0, x
+
+
+def _manual_site(softmax: fx.Node, layer: int, algebra: IndexAlgebra) -> AttentionSite:
+    expected = ("matmul(q, k^T) | baddbmm(bias, q, k^T) -> [scale] -> [c * tanh(. / c)] -> "
+                "[masked_fill | where | + mask or bias]* -> softmax -> matmul(., v)")
     users = [u for u in softmax.users]
     probs = softmax
-    while len(users) == 1 and users[0].target in PASS_THROUGH:
+    while len(users) == 1 and users[0].target in PASS_THROUGH | VIEWS:
         probs = users[0]
         users = list(probs.users)
     if len(users) != 1 or users[0].target not in MATMUL or users[0].args[0] is not probs:
         raise UnsupportedAttentionError(f"softmax {softmax.name} is not followed by probs @ v; expected {expected}")
     out = users[0]
     v = out.args[1]
-    x = _skip(softmax.args[0], PASS_THROUGH)
-    mask = None
-    if x.target in (aten.masked_fill.Scalar, aten.masked_fill.Tensor):
-        x, mask = x.args[0], x.args[1]
-    elif x.target == aten.add.Tensor and isinstance(x.args[1], fx.Node) and _val(x.args[1]) is not None:
-        x, mask = x.args[0], x.args[1]
-    elif x.target == aten.where.self:
-        mask, x = x.args[0], x.args[1]
+    score_shape = _shape(softmax.args[0])
+    x, masks = softmax.args[0], []
+    while True:  # masks and biases, outermost first
+        x = _skip(x, PASS_THROUGH | VIEWS)
+        if x.target in (aten.masked_fill.Scalar, aten.masked_fill.Tensor):
+            masks.append((x.args[1], "drop", x.args[2]))
+            x = x.args[0]
+        elif x.target == aten.where.self:
+            masks.append((x.args[0], "keep", x.args[2]))
+            x = x.args[1]
+        elif x.target == aten.add.Tensor and all(isinstance(a, fx.Node) for a in x.args[:2]):
+            a, b = x.args[:2]
+            term, x = (b, a) if algebra.value(b) is not None else (a, b)
+            if algebra.value(term) is None:
+                raise UnsupportedAttentionError(f"{x.name}: scores plus {term.name}, which is not a mask or bias "
+                                                "built from positions; expected " + expected)
+            masks.append((term, "add", None))
+        else:
+            break
+    softcap, x = _softcap(x)
     x = _skip(x, PASS_THROUGH)
     scale = 1.0
-    if x.target in (aten.mul.Tensor, aten.mul.Scalar) and not isinstance(x.args[1], fx.Node):
-        scale, x = float(x.args[1]), x.args[0]
-    elif x.target in (aten.div.Tensor, aten.div.Scalar) and not isinstance(x.args[1], fx.Node):
-        scale, x = 1.0 / float(x.args[1]), x.args[0]
-    if x.target not in MATMUL:
+    while x.target in (aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar) \
+            and not isinstance(x.args[1], fx.Node):
+        factor = float(x.args[1])
+        scale *= factor if x.target in (aten.mul.Tensor, aten.mul.Scalar) else 1.0 / factor
+        x = _skip(x.args[0], PASS_THROUGH)
+    if x.target == aten.baddbmm.default and x.kwargs.get("beta", 1) == 1:
+        masks.append((x.args[0], "add", None))
+        scale *= float(x.kwargs.get("alpha", 1))
+        q, kt = x.args[1:3]
+    elif x.target in MATMUL:
+        q, kt = x.args
+    else:
         raise UnsupportedAttentionError(f"attention scores before {softmax.name} come from {x.name} "
                                         f"({x.target}); expected {expected}")
-    q, kt = x.args
-    if kt.target != aten.transpose.int or sorted(d % 4 for d in kt.args[1:]) != [2, 3]:
+    rank = len(_shape(kt))
+    if kt.target != aten.transpose.int or sorted(d % rank for d in kt.args[1:]) != [rank - 2, rank - 1]:
         raise UnsupportedAttentionError(f"{x.name}: keys must enter as k.transpose(-2, -1); got {kt.name}")
-    qs = _shape(q)
-    if len(qs) != 4:
-        raise UnsupportedAttentionError(f"{x.name}: expected 4-d q [B, heads, T, head_dim], got {qs}")
-    heads = _static(qs[1], "heads", q)
-    k_src, v_src = _gqa_source(kt.args[0], heads), _gqa_source(v, heads)
-    return AttentionSite(layer=layer, kind="manual", q=q, k=k_src, v=v_src, output=out, heads=heads,
+    q4 = _four_d(q)
+    qs = _shape(q4)
+    heads = _static(qs[1], "heads", q4)
+    k_src, v_src = _gqa_source(_four_d(kt.args[0]), heads), _gqa_source(_four_d(v), heads)
+    return AttentionSite(layer=layer, kind="manual", q=q4, k=k_src, v=v_src, output=out, heads=heads,
                          kv_heads=_static(_shape(k_src)[1], "kv_heads", k_src),
-                         head_dim=_static(qs[3], "head_dim", q), scale=scale, mask=mask)
+                         head_dim=_static(qs[3], "head_dim", q4), scale=scale, operands=(q, kt.args[0], v),
+                         score_shape=score_shape, masks=masks, softcap=softcap)
 
 
-def find_attention_sites(graph: fx.Graph) -> list[AttentionSite]:
+def find_attention_sites(graph: fx.Graph, algebra: IndexAlgebra) -> list[AttentionSite]:
     """Structurally match every attention site, in graph order."""
     sites = []
     for node in graph.nodes:
@@ -211,7 +277,7 @@ def find_attention_sites(graph: fx.Graph) -> list[AttentionSite]:
         if node.target == SDPA:
             sites.append(_sdpa_site(node, len(sites)))
         elif node.target in SOFTMAX:
-            sites.append(_manual_site(node, len(sites)))
+            sites.append(_manual_site(node, len(sites), algebra))
     return sites
 
 
@@ -261,83 +327,79 @@ class Recorder(fx.Interpreter):
         return out
 
 
-def _mask_allowed(site: AttentionSite, value: torch.Tensor) -> torch.Tensor:
-    """Which (query, key) pairs a mask value lets through, for the pattern it was used in."""
-    if value.dtype == torch.bool:
-        masked_fill = site.output.op == "call_function" and site.kind == "manual" and any(
-            u.target in (aten.masked_fill.Scalar, aten.masked_fill.Tensor) for u in site.mask.users)
-        return ~value if masked_fill else value
-    return value > torch.finfo(value.dtype).min / 2
+def _prove_mask(site: AttentionSite, algebra: IndexAlgebra) -> None:
+    """Prove the site's masks are causal (maybe with a window) and its score bias is ALiBi, for every length."""
+    rank = len(site.score_shape)
+    head, query, key = (dim_symbol(rank - 3), dim_symbol(rank - 2), dim_symbol(rank - 1))
+    visible = [sympy.Le(key, query)] if site.is_causal else []
+    biases = []
+    for node, how, fill in site.masks:
+        value = algebra.value(node)
+        if value is None:
+            raise MaskError(f"the mask {node.name} is not built from positions by ops specgraph can prove "
+                            "(arange, comparisons, logic, where, tril/triu, a band buffer)")
+        formula = broadcast_to(value, site.score_shape)
+        if how == "add":
+            masks, bias = split_additive(formula)
+            visible += [allowed(m) for m in masks]
+            biases += bias
+            continue
+        if fill is not None and not (isinstance(fill, (int, float)) and fill <= NEG_LARGE):
+            raise MaskError(f"{node.name} fills masked scores with {fill}, not -inf")
+        keep = formula if is_predicate(formula) else sympy.Ne(formula, 0)
+        visible.append(keep if how == "keep" else sympy.Not(keep))
+    if not visible:
+        raise MaskError("attention is not causal (no mask and is_causal=False); expected a causal decoder")
+    site.window = window_of(sympy.And(*visible), query, key)
+    if biases:
+        site.alibi_slopes = alibi_slopes(sympy.Add(*biases), head, query, key, site.heads, algebra.tables)
+    site.causal = True
 
 
-def _verify_sites(gm: fx.GraphModule, analysis: GraphAnalysis, length: int = 6) -> None:
-    """Run the graph once on a short input and prove causality and the GQA head mapping."""
-    sites = analysis.sites
+def prove_sites(gm: fx.GraphModule, analysis: GraphAnalysis, algebra: IndexAlgebra, length: int = 6) -> None:
+    """Prove each site's mask and bias symbolically, and its GQA head mapping on one sample run."""
+    for s in analysis.sites:
+        try:
+            _prove_mask(s, algebra)
+        except MaskError as e:
+            raise UnsupportedAttentionError(f"{s.output.name} ({s.kind}, layer {s.layer}): {e}") from None
     wanted = set()
-    for s in sites:
-        wanted |= {s.k, s.v}
-        if s.mask is not None:
-            wanted.add(s.mask)
-        for operand in _operands(s):
-            wanted.add(operand)
+    for s in analysis.sites:
+        wanted |= {s.k, s.v, *s.operands[1:]}
     rec = Recorder(gm, wanted)
     seq_expr = _expr(analysis.seq_len) if analysis.seq_len is not None else None
     T = length if seq_expr is not None else _shape(analysis.input_ids)[1]
     with torch.no_grad():
         rec.run(*sample_inputs(gm, analysis.input_ids, seq_expr, analysis.vocab_size, T))
-    causal = torch.tril(torch.ones(T, T, dtype=torch.bool))
-    for s in sites:
-        if s.mask is not None:
-            allowed = _mask_allowed(s, rec.values[s.mask])
-            allowed = allowed.expand(*allowed.shape[:-2], T, T).reshape(-1, T, T)
-            if bool((allowed == causal).all()):
-                s.causal = True
-            elif bool(allowed.all()) and not s.causal:
-                raise UnsupportedAttentionError(f"{s.output.name} ({s.kind}, layer {s.layer}): bidirectional "
-                                                "attention; a decoder needs a causal mask")
-            elif not s.causal:
-                raise UnsupportedAttentionError(f"{s.output.name} ({s.kind}, layer {s.layer}): unsupported attention "
-                                                "mask (expected a plain causal mask, no padding/sliding window)")
-        if not s.causal:
-            raise UnsupportedAttentionError(f"{s.output.name} ({s.kind}, layer {s.layer}): attention is not causal "
-                                            "(no mask and is_causal=False); expected a causal decoder")
-        k_op, v_op = _operands(s)[1:]
+    for s in analysis.sites:
         rep = s.heads // s.kv_heads
-        for src, used in ((s.k, k_op), (s.v, v_op)):
+        for src, used in ((s.k, s.operands[1]), (s.v, s.operands[2])):
             src_val, used_val = rec.values[src], rec.values[used]
-            if used_val.shape[1] == s.kv_heads:  # enable_gqa or MHA: no expansion in the graph
-                expected = src_val
-            else:
-                expected = src_val.repeat_interleave(rep, dim=1)
-            if expected.shape != used_val.shape or not torch.equal(expected, used_val):
+            heads_used = used_val.numel() // src_val[:, :1].numel()
+            expected = src_val if heads_used == s.kv_heads else src_val.repeat_interleave(rep, dim=1)
+            if expected.numel() != used_val.numel() or not torch.equal(expected, used_val.reshape(expected.shape)):
                 raise UnsupportedAttentionError(
                     f"{used.name} (layer {s.layer}): the key/value heads are not expanded as "
                     f"head h -> kv head h // {rep} (repeat_kv / repeat_interleave); unsupported GQA layout")
 
 
-def _operands(site: AttentionSite) -> tuple[fx.Node, fx.Node, fx.Node]:
-    """The q, k, v tensors exactly as the attention op consumes them (after GQA expansion)."""
-    if site.kind == "sdpa":
-        return tuple(site.output.args[:3])
-    scores = _skip(site.output.args[0], PASS_THROUGH)  # probs
-    x = _skip(scores.args[0], PASS_THROUGH)
-    while x.target not in MATMUL:
-        x = x.args[0] if x.target != aten.where.self else x.args[1]
-        x = _skip(x, PASS_THROUGH)
-    return x.args[0], x.args[1].args[0], site.output.args[1]
+def _find_position_sources(graph: fx.Graph, algebra: IndexAlgebra, seq_expr) -> list[fx.Node]:
+    """The tensors that hold each token's index in the sequence, ``[T]`` or ``[1, T]``, however built
+    (``arange``, OPT's cumulative sum of a mask of ones minus one): the outermost such node of each chain."""
+    if seq_expr is None:
+        return []
 
+    def is_index(node: fx.Node) -> bool:
+        val = _val(node)
+        if (node.op != "call_function" or not isinstance(val, torch.Tensor) or val.dim() not in (1, 2)
+                or (val.dim() == 2 and val.shape[0] != 1) or _expr(val.shape[-1]) != seq_expr):
+            return False
+        value = algebra.value(node)
+        return (value is not None and not is_predicate(value.expr)
+                and sympy.expand(value.expr - dim_symbol(val.dim() - 1)) == 0)
 
-def _find_position_sources(graph: fx.Graph, seq_expr) -> list[fx.Node]:
-    found = []
-    for node in graph.nodes:
-        if node.op != "call_function" or node.target not in ARANGE:
-            continue
-        args = list(node.args)
-        start, end = (0, args[0]) if node.target == aten.arange.default else (args[0], args[1])
-        step = args[2] if node.target == aten.arange.start_step else 1
-        if seq_expr is not None and _expr(start) == 0 and step == 1 and _expr(end) == seq_expr:
-            found.append(node)
-    return found
+    index = {n for n in graph.nodes if n not in algebra.from_inputs and is_index(n)}
+    return [n for n in graph.nodes if n in index and not all(u in index for u in n.users)]
 
 
 def _flatten(out) -> list:
@@ -405,13 +467,14 @@ def analyze(gm: fx.GraphModule, verify: bool = True) -> GraphAnalysis:
     lshape = _shape(logits)
     if lshape[-1] != vocab and isinstance(lshape[-1], int):
         vocab = lshape[-1]
-    sites = find_attention_sites(graph)
+    algebra = IndexAlgebra(gm)
+    sites = find_attention_sites(graph, algebra)
     if not sites:
         raise UnsupportedAttentionError("no attention found: expected aten.scaled_dot_product_attention or "
                                         "matmul(q, k^T) -> softmax -> matmul(., v)")
     analysis = GraphAnalysis(input_ids=input_ids, seq_len=seq_len, embedding=embedding, logits=logits,
                              vocab_size=vocab, sites=sites, logits_index=logits_index,
-                             position_sources=_find_position_sources(graph, seq_expr))
+                             position_sources=_find_position_sources(graph, algebra, seq_expr))
     if verify:
-        _verify_sites(gm, analysis)
+        prove_sites(gm, analysis, algebra)
     return analysis

@@ -172,9 +172,8 @@ def _diagnose(program, reference, stream, meta, cache, seq, start, n, row, kind,
         if not site_err <= tol * max(1.0, float(want.abs().max())):
             site = program.compiled.context.analysis.sites[layer]
             where = (f"first at attention site layer {layer} ({site.kind} attention, node {site.output.name}): "
-                     f"its output differs by {site_err:.3g}; the model's attention is not the plain causal "
-                     f"pattern the analysis proved at a short length (a sliding window, a position or mask "
-                     f"scheme it did not recognise)")
+                     f"its output differs by {site_err:.3g}; something before it mixes tokens outside attention, "
+                     f"or depends on the step's length rather than the positions (an op the analysis cannot see)")
             break
     return (f"compile-time self-check failed: the incremental program's logits differ from the cache-free "
             f"model's by {err:.3g} (tolerance {tol * scale:.3g}) in a {kind} at positions {start}..{start + n - 1}; "

@@ -14,7 +14,7 @@ Before / after (one site)::
     ->
     specgraph.contiguous_cache_write(k^T [N, KVH, D], v^T, k_cache_0, v_cache_0, cache_rows, qsl, positions)
     o = specgraph.contiguous_attention(q^T [N, H, D], k_cache_0, v_cache_0, cache_rows, seq_lens, qsl,
-                                       positions, scale) -> [1, H, N, D]
+                                       positions, scale, window, softcap, alibi_slopes) -> [1, H, N, D]
 """
 from __future__ import annotations
 
@@ -45,6 +45,16 @@ def _tokens_major(g: fx.Graph, x: fx.Node, heads: int, head_dim: int) -> fx.Node
     return g.call_function(aten.reshape.default, (t, [-1, heads, head_dim]))
 
 
+def _variant(gm: fx.GraphModule, site) -> tuple:
+    """The site's proved score modifiers as the attention op's trailing arguments (ALiBi slopes: a buffer)."""
+    slopes = None
+    if site.alibi_slopes is not None:
+        name = f"alibi_slopes_{site.layer}"
+        gm.register_buffer(name, site.alibi_slopes.to(site.q.meta["val"].device))
+        slopes = gm.graph.get_attr(name)
+    return site.window, site.softcap, slopes
+
+
 def kv_cache(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     analysis = ctx.analysis
     g = gm.graph
@@ -67,9 +77,12 @@ def kv_cache(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             q = _tokens_major(g, site.q, site.heads, site.head_dim)
             g.call_function(specgraph.contiguous_cache_write.default, (k, v, kc, vc, rows, qsl, positions))
             o = g.call_function(specgraph.contiguous_attention.default,
-                                (q, kc, vc, rows, seq_lens, qsl, positions, site.scale))
+                                (q, kc, vc, rows, seq_lens, qsl, positions, site.scale,
+                                 *_variant(gm, site)))
             o = g.call_function(aten.unsqueeze.default, (o, 0))
             o = g.call_function(aten.transpose.int, (o, 1, 2))
+            if len(site.output.meta["val"].shape) == 3:  # [B * heads, T, D], as Bloom's bmm gives it
+                o = g.call_function(aten.flatten.using_ints, (o, 0, 1))
         site.output.replace_all_uses_with(o)
         o.meta["attention_site"] = site.layer  # the self-check compares it with the cache-free graph's
     remove_dead_code(g)

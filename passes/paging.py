@@ -11,7 +11,7 @@ Before / after::
     o = specgraph.contiguous_attention(q, kc, vc, cache_rows, seq_lens, qsl, positions, scale)
     ->
     specgraph.cache_write(k, v, kc, vc, slot_mapping)                   # kc: [blocks, page, KVH, D]
-    o = specgraph.paged_attention(q, kc, vc, block_tables, seq_lens, qsl, positions, scale)
+    o = specgraph.paged_attention(q, kc, vc, block_tables, seq_lens, qsl, positions, scale, *variant)
 """
 from __future__ import annotations
 
@@ -52,10 +52,10 @@ def paging(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             g.erase_node(node)
             matched += 1
         elif node.target == specgraph.contiguous_attention.default:
-            q, kc, vc, _rows, seq_lens, qsl, pos, scale = node.args
+            q, kc, vc, _rows, seq_lens, qsl, pos, scale, *variant = node.args
             with g.inserting_before(node):
                 new = g.call_function(specgraph.paged_attention.default,
-                                      (q, kc, vc, tables, seq_lens, qsl, pos, scale))
+                                      (q, kc, vc, tables, seq_lens, qsl, pos, scale, *variant))
             node.replace_all_uses_with(new)
             g.erase_node(node)
     if rows.users:

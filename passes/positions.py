@@ -1,8 +1,9 @@
 """positions: token positions become a program input.
 
-Invariant: with ``positions = arange(T)`` the outputs are unchanged. Every ``arange`` over the
-sequence (rotary angles, learned position embeddings, mask construction) now reads the
-``positions`` input, so a token stream can carry tokens of several sequences at any offsets.
+Invariant: with ``positions = arange(T)`` the outputs are unchanged. Every tensor that holds the
+token's index in the sequence (an ``arange``, OPT's ``cumsum(mask) * mask - 1``; found by the
+analysis's index algebra) feeding rotary angles, learned position embeddings or mask construction
+now reads the ``positions`` input, so a token stream can carry tokens of several sequences at any offsets.
 
 Before / after::
 
@@ -37,9 +38,11 @@ def positions(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     for src in analysis.position_sources:
         dtype = src.meta["val"].dtype
         repl = pos
-        if dtype != torch.int64:
-            with gm.graph.inserting_after(src):
-                repl = gm.graph.call_function(aten.to.dtype, (pos, dtype))
+        with gm.graph.inserting_after(src):
+            if dtype != torch.int64:
+                repl = gm.graph.call_function(aten.to.dtype, (repl, dtype))
+            if src.meta["val"].dim() == 2:  # [1, T]
+                repl = gm.graph.call_function(aten.unsqueeze.default, (repl, 0))
         src.replace_all_uses_with(repl)
         gm.graph.erase_node(src)
         replaced += 1

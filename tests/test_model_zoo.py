@@ -28,7 +28,7 @@ ZOO = {
     "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", SMALL, "exact"),
     "opt": ("OPTConfig", "OPTForCausalLM", dict(vocab_size=160, hidden_size=64, ffn_dim=128, num_hidden_layers=2,
                                                  num_attention_heads=4, max_position_embeddings=256,
-                                                 word_embed_proj_dim=64), "refused"),
+                                                 word_embed_proj_dim=64), "exact"),
     "falcon": ("FalconConfig", "FalconForCausalLM", dict(vocab_size=160, hidden_size=64, num_hidden_layers=2,
                                                          num_attention_heads=4), "exact"),
     "gptj": ("GPTJConfig", "GPTJForCausalLM", dict(GPT_STYLE, rotary_dim=8), "exact"),
@@ -39,9 +39,9 @@ ZOO = {
     "gpt_bigcode": ("GPTBigCodeConfig", "GPTBigCodeForCausalLM", GPT_STYLE, "exact"),
     "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", GQA, "exact"),
     "bloom": ("BloomConfig", "BloomForCausalLM", dict(vocab_size=160, hidden_size=64, n_layer=2, n_head=4),
-              "refused"),
-    "mistral_window8": ("MistralConfig", "MistralForCausalLM", dict(GQA, sliding_window=8), "refused"),
-    "gemma2_window8": ("Gemma2Config", "Gemma2ForCausalLM", dict(GQA, head_dim=16, sliding_window=8), "refused"),
+              "exact"),
+    "mistral_window8": ("MistralConfig", "MistralForCausalLM", dict(GQA, sliding_window=8), "exact"),
+    "gemma2_window8": ("Gemma2Config", "Gemma2ForCausalLM", dict(GQA, head_dim=16, sliding_window=8), "exact"),
 }
 
 

@@ -6,7 +6,7 @@ import specgraph
 from specgraph.compiler.options import BackendOptions
 from specgraph.compiler.program import compile_decoder
 from specgraph import UnsupportedModelError
-from models import NanoGPT, make_family
+from models import NanoGPT, make_family, uncached_greedy
 
 
 def windowed_nanogpt(window: int = 8) -> NanoGPT:
@@ -19,45 +19,50 @@ def windowed_nanogpt(window: int = 8) -> NanoGPT:
     return model
 
 
+class CumulativeMixGPT(NanoGPT):
+    """A causal decoder that also mixes tokens outside attention (a running mean of the embeddings).
+
+    Exact as a cache-free model, but the incremental program sees only a step's new tokens, so the
+    running mean is wrong after the first step. The analysis only looks at attention and cannot
+    see it; the self-check does."""
+
+    def forward(self, idx):
+        t = idx.shape[1]
+        x = self.wte(idx) + self.wpe(torch.arange(t, device=idx.device))
+        x = x + x.cumsum(1) / torch.arange(1, t + 1, device=idx.device).view(1, t, 1)
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+
 @pytest.mark.parametrize("family", ["llama", "nanogpt"])
 def test_exact_models_pass_the_check(family):
     program = compile_decoder(make_family(family), BackendOptions(page_size=8))
     assert program.self_check_seconds is not None  # it ran (a mismatch would have raised)
 
 
-def test_sliding_window_the_analysis_misses_is_refused_by_the_self_check():
+def test_a_band_mask_buffer_is_proved_a_sliding_window_and_is_exact():
     model = windowed_nanogpt(8)
-    # the analysis proves causality at one short length, where a window of 8 looks causal ...
+    program = compile_decoder(model, BackendOptions(page_size=8))
+    assert [s.window for s in program.compiled.context.analysis.sites] == [8, 8]
+    prompt = list(range(3, 30))
+    got = specgraph.Engine(model, num_blocks=16, page_size=8).generate(prompt, max_new_tokens=12,
+                                                                        ignore_eos=True)[0].token_ids
+    assert got == uncached_greedy(model, prompt, 12)
+
+
+def test_token_mixing_the_analysis_cannot_see_is_refused_by_the_self_check():
+    model = CumulativeMixGPT().eval()
+    # the analysis proves every attention site causal and lets the model through ...
     program = compile_decoder(model, BackendOptions(page_size=8, self_check=False))
-    assert all(site.causal for site in program.compiled.context.analysis.sites)
+    assert all(site.causal and site.window == 0 for site in program.compiled.context.analysis.sites)
     # ... the incremental run shows the difference, and names the first attention site
-    with pytest.raises(UnsupportedModelError, match=r"attention site layer 0 .*sliding window"):
+    with pytest.raises(UnsupportedModelError, match=r"attention site layer 0 .*mixes tokens outside attention"):
         compile_decoder(model, BackendOptions(page_size=8))
     with pytest.raises(UnsupportedModelError, match="self-check failed"):
         specgraph.Engine(model, num_blocks=16, page_size=8)
 
 
-def test_mistral_with_a_small_window_is_not_silently_wrong():
-    from transformers import MistralConfig, MistralForCausalLM
-
-    torch.manual_seed(0)
-    cfg = MistralConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                        num_attention_heads=4, num_key_value_heads=2, sliding_window=8,
-                        max_position_embeddings=256)
-    with pytest.raises((UnsupportedModelError, specgraph.UnsupportedAttentionError)):
-        specgraph.Engine(MistralForCausalLM(cfg).eval(), num_blocks=16, page_size=8)
-
-
-def test_opt_positions_from_a_mask_cumsum_are_not_silently_wrong():
-    from transformers import OPTConfig, OPTForCausalLM
-
-    torch.manual_seed(0)
-    cfg = OPTConfig(vocab_size=128, hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4,
-                    max_position_embeddings=256, word_embed_proj_dim=64)
-    with pytest.raises((UnsupportedModelError, specgraph.UnsupportedAttentionError)):
-        specgraph.Engine(OPTForCausalLM(cfg).eval(), num_blocks=16, page_size=8)
-
-
-def test_a_window_int4_noise_would_hide_is_caught_through_the_float_twin():
+def test_mixing_int4_noise_would_hide_is_caught_through_the_float_twin():
     with pytest.raises(UnsupportedModelError, match="attention site layer 0"):
-        compile_decoder(windowed_nanogpt(8), BackendOptions(page_size=8, kv_dtype="int4"))
+        compile_decoder(CumulativeMixGPT().eval(), BackendOptions(page_size=8, kv_dtype="int4"))
