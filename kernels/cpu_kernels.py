@@ -15,12 +15,24 @@ uses kv head ``h // G``), with a two-pass softmax in float32. One work item is a
 spread over torch's intra-op threads. (Work items per (token, kv head) read each row in three
 head-sized pieces at different times and were 3x slower on SmolLM2's cold cache.)
 
+It implements the op contract's variants (``paged_attention.py``, "variant"): ``window``,
+``softcap`` and ``alibi_slopes`` (float32 ``[num_heads]``). With a sliding window each token sees
+keys ``[max(0, p - window + 1), min(p + 1, seq_len))``, and a sequence's work item walks only the
+union of its tokens' ranges, never the keys before it: a windowed decode reads ``window`` keys
+(and checks only those block-table entries) at any context length. The soft cap and the ALiBi
+bias rewrite the scores row by row between the QK pass and the softmax, behind one test per
+(token, head); the window's per-key test is compiled only into the windowed instance of the loops
+(a template flag), so plain calls run the same loops as before.
+
 It serves decode steps, and short speculative verifies over short contexts (``attention_pays``),
-over float32 caches; anything else (prefill chunks and long verifies, where SDPA's blocked
-GEMMs win, bf16/fp16 or quantized caches) runs the torch path. It registers as the ``"cpp"``
-implementation of ``specgraph::paged_attention`` (``registry.py``) with that test. The C++ source is compiled once per machine
-by ``torch.utils.cpp_extension.load_inline`` (cached in ``TORCH_EXTENSIONS_DIR``; 20-60 s
-on 2 cores the first time). If it cannot be built the torch path runs and ``build_error()``
+over float32 caches, with or without a variant; anything else (prefill chunks and long verifies,
+where SDPA's blocked GEMMs win, bf16/fp16 or quantized caches) runs the torch path. It registers as
+the ``"cpp"`` implementation of ``specgraph::paged_attention`` (``registry.py``) with that test
+(which validates the variant with ``check_variant``). The native op ``specgraph_cpu::paged_attention``
+(what compiled graphs call) runs it under the same test, variant included, and hands every other
+call, or an invalid variant, to ``specgraph::paged_attention``. The C++ source is compiled once
+per machine by ``torch.utils.cpp_extension.load_inline`` (cached in ``TORCH_EXTENSIONS_DIR``;
+20-60 s on 2 cores the first time). If it cannot be built the torch path runs and ``build_error()``
 says why. The pure-torch reference it is tested against is ``paged_attention.paged_attention_ref``.
 """
 from __future__ import annotations
@@ -31,7 +43,7 @@ import warnings
 import torch
 
 from .cache_write import check_cache_write_args
-from .paged_attention import check_attention_args, has_variant
+from .paged_attention import check_attention_args, check_variant
 from .registry import register
 
 CPP_SOURCE = r"""
@@ -39,7 +51,9 @@ CPP_SOURCE = r"""
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 // k, v [N, KVH, D] contiguous; k_cache, v_cache [num_blocks, P, KVH, D] contiguous, same dtype;
@@ -65,15 +79,28 @@ void cache_write_rows(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, t
 
 // q [N, H, D], k_cache/v_cache [num_blocks, P, KVH, D] (float32, contiguous), block_tables [S, MB]
 // int32, seq_lens [S] int32, query_start_loc [S + 1] int32, positions [N] int64 -> out [N, H, D].
-// Token i of sequence s sees keys 0 .. min(positions[i], seq_lens[s] - 1).
-// One work item per sequence: each cached K/V row (all kv heads, contiguous) is read once and used
-// by every query token and head of the sequence that sees it.
+// Token i (position p) of sequence s sees keys lo .. hi - 1: hi = min(p + 1, seq_lens[s]), lo = 0, or
+// with a sliding window (window > 0) lo = max(0, p - window + 1). The variant (paged_attention.py,
+// "variant"): score = scale * q.k, then softcap * tanh(score / softcap) when softcap > 0, then plus
+// alibi_slopes[head] * (j - p) when slopes (float32 [H]) are given; softmax over the visible keys.
+// One work item per sequence: each cached K/V row (all kv heads, contiguous) in the union of its
+// tokens' visible ranges is read once and used by every query token and head that sees it; keys
+// before that union are never touched (a windowed decode reads `window` keys at any context).
 torch::Tensor paged_attention_short(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                     torch::Tensor block_tables, torch::Tensor seq_lens,
-                                    torch::Tensor query_start_loc, torch::Tensor positions, double scale) {
+                                    torch::Tensor query_start_loc, torch::Tensor positions, double scale,
+                                    int64_t window, double softcap, c10::optional<torch::Tensor> alibi_slopes) {
   const int64_t N = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t P = k_cache.size(1), KVH = k_cache.size(2), num_blocks = k_cache.size(0);
   const int64_t G = H / KVH, S = seq_lens.size(0), MB = block_tables.size(1);
+  TORCH_CHECK(window >= 0 && softcap >= 0.0, "window and softcap must be >= 0; got ", window, " and ", softcap);
+  const float* slopes = nullptr;
+  if (alibi_slopes.has_value()) {
+    TORCH_CHECK(alibi_slopes->scalar_type() == torch::kFloat && alibi_slopes->dim() == 1 &&
+                alibi_slopes->size(0) == H && alibi_slopes->is_contiguous() && alibi_slopes->device().is_cpu(),
+                "alibi_slopes must be a contiguous float32 CPU tensor [num_heads=", H, "]");
+    slopes = alibi_slopes->data_ptr<float>();
+  }
   auto out = torch::zeros({N, H, D}, q.options());
   const float* qp = q.data_ptr<float>();
   const float* kp = k_cache.data_ptr<float>();
@@ -84,74 +111,101 @@ torch::Tensor paged_attention_short(torch::Tensor q, torch::Tensor k_cache, torc
   const int64_t* pos = positions.data_ptr<int64_t>();
   float* op = out.data_ptr<float>();
   const float sc = static_cast<float>(scale);
+  const float cap = static_cast<float>(softcap), inv_cap = softcap > 0.0 ? static_cast<float>(1.0 / softcap) : 0.f;
   const int64_t row = KVH * D;  // floats per cache slot
   at::parallel_for(0, S, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
-    std::vector<int64_t> visible;
+    std::vector<int64_t> lo, hi;
     for (int64_t s = begin; s < end; ++s) {
       const int64_t t0 = std::max<int64_t>(qsl[s], 0), t1 = std::min<int64_t>(qsl[s + 1], N);
       const int64_t T = t1 - t0;
       if (T <= 0) continue;
-      visible.assign(T, 0);
-      int64_t nk_max = 0;
+      lo.assign(T, 0);
+      hi.assign(T, 0);
+      // the keys the step reads: [k0, k1), the union of the tokens' visible ranges
+      int64_t k0 = INT64_MAX, k1 = 0;
       for (int64_t t = 0; t < T; ++t) {
-        visible[t] = std::max<int64_t>(std::min<int64_t>(pos[t0 + t] + 1, lens[s]), 0);
-        nk_max = std::max(nk_max, visible[t]);
+        const int64_t p = pos[t0 + t];
+        hi[t] = std::max<int64_t>(std::min<int64_t>(p + 1, lens[s]), 0);
+        if (window > 0) lo[t] = std::min(std::max<int64_t>(p - window + 1, 0), hi[t]);
+        if (lo[t] < hi[t]) {
+          k0 = std::min(k0, lo[t]);
+          k1 = std::max(k1, hi[t]);
+        }
       }
-      if (nk_max == 0) continue;  // no visible key (bad input): output 0, as the other kernels do
-      TORCH_CHECK(nk_max <= MB * P, "sequence ", s, " has ", nk_max, " visible keys but its block table row holds ",
+      if (k1 == 0) continue;  // no visible key (bad input): output 0, as the other kernels do
+      TORCH_CHECK(k1 <= MB * P, "sequence ", s, " has ", k1, " visible keys but its block table row holds ",
                   MB * P, " slots");
+      const int64_t nk = k1 - k0;  // score columns per (token, head): keys k0 .. k1 - 1
       const int32_t* table = bt + s * MB;
-      for (int64_t b = 0; b < (nk_max + P - 1) / P; ++b)
+      for (int64_t b = k0 / P; b < (k1 + P - 1) / P; ++b)
         TORCH_CHECK(table[b] >= 0 && table[b] < num_blocks, "block_tables[", s, ", ", b, "] = ", table[b],
                     " is outside the cache's ", num_blocks, " blocks");
-      // scores[(t * H + head) * nk_max + j]
-      scores.assign(T * H * nk_max, 0.f);
-      for (int64_t j = 0; j < nk_max; ++j) {
-        const float* kr = kp + (static_cast<int64_t>(table[j / P]) * P + j % P) * row;
-        for (int64_t t = 0; t < T; ++t) {
-          if (j >= visible[t]) continue;
-          const float* qt = qp + (t0 + t) * H * D;
-          for (int64_t head = 0; head < H; ++head) {
-            const float* qh = qt + head * D;
-            const float* kh = kr + (head / G) * D;
-            float dot = 0.f;
+      // the plain path (no window: every range starts at key 0) is compiled without the window's tests
+      auto attend = [&](auto windowed) {
+        constexpr bool W = decltype(windowed)::value;
+        const int64_t kb = W ? k0 : 0;
+        // scores[(t * H + head) * nk + j - kb]
+        scores.assign(T * H * nk, 0.f);
+        for (int64_t j = kb; j < k1; ++j) {
+          const float* kr = kp + (static_cast<int64_t>(table[j / P]) * P + j % P) * row;
+          for (int64_t t = 0; t < T; ++t) {
+            if (j >= hi[t] || (W && j < lo[t])) continue;
+            const float* qt = qp + (t0 + t) * H * D;
+            for (int64_t head = 0; head < H; ++head) {
+              const float* qh = qt + head * D;
+              const float* kh = kr + (head / G) * D;
+              float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-            for (int64_t d = 0; d < D; ++d) dot += qh[d] * kh[d];
-            scores[(t * H + head) * nk_max + j] = dot * sc;
+              for (int64_t d = 0; d < D; ++d) dot += qh[d] * kh[d];
+              scores[(t * H + head) * nk + j - kb] = dot * sc;
+            }
           }
         }
-      }
-      for (int64_t t = 0; t < T; ++t) {
-        for (int64_t head = 0; head < H; ++head) {
-          float* sg = scores.data() + (t * H + head) * nk_max;
-          const int64_t nk = visible[t];
-          if (nk == 0) continue;
-          const float mx = *std::max_element(sg, sg + nk);
-          float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-          for (int64_t j = 0; j < nk; ++j) {
-            sg[j] = expf(sg[j] - mx);  // vectorized (glibc libmvec) under -ffast-math
-            sum += sg[j];
-          }
-          const float inv = 1.f / sum;
-          for (int64_t j = 0; j < nk; ++j) sg[j] *= inv;
-        }
-      }
-      for (int64_t j = 0; j < nk_max; ++j) {
-        const float* vr = vp + (static_cast<int64_t>(table[j / P]) * P + j % P) * row;
         for (int64_t t = 0; t < T; ++t) {
-          if (j >= visible[t]) continue;
-          float* ot = op + (t0 + t) * H * D;
+          const int64_t n = hi[t] - lo[t];
+          if (n <= 0) continue;
           for (int64_t head = 0; head < H; ++head) {
-            const float p = scores[(t * H + head) * nk_max + j];
-            const float* vh = vr + (head / G) * D;
-            float* oh = ot + head * D;
+            float* sg = scores.data() + (t * H + head) * nk + (lo[t] - kb);  // sg[i]: key lo[t] + i
+            if (cap > 0.f) {
 #pragma omp simd
-            for (int64_t d = 0; d < D; ++d) oh[d] += p * vh[d];
+              for (int64_t i = 0; i < n; ++i) sg[i] = cap * tanhf(sg[i] * inv_cap);
+            }
+            if (slopes) {
+              const float slope = slopes[head], d0 = static_cast<float>(lo[t] - pos[t0 + t]);  // j - p at i = 0
+#pragma omp simd
+              for (int64_t i = 0; i < n; ++i) sg[i] += slope * (d0 + static_cast<float>(i));
+            }
+            const float mx = *std::max_element(sg, sg + n);
+            float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+            for (int64_t i = 0; i < n; ++i) {
+              sg[i] = expf(sg[i] - mx);  // vectorized (glibc libmvec) under -ffast-math
+              sum += sg[i];
+            }
+            const float inv = 1.f / sum;
+            for (int64_t i = 0; i < n; ++i) sg[i] *= inv;
           }
         }
-      }
+        for (int64_t j = kb; j < k1; ++j) {
+          const float* vr = vp + (static_cast<int64_t>(table[j / P]) * P + j % P) * row;
+          for (int64_t t = 0; t < T; ++t) {
+            if (j >= hi[t] || (W && j < lo[t])) continue;
+            float* ot = op + (t0 + t) * H * D;
+            for (int64_t head = 0; head < H; ++head) {
+              const float p = scores[(t * H + head) * nk + j - kb];
+              const float* vh = vr + (head / G) * D;
+              float* oh = ot + head * D;
+#pragma omp simd
+              for (int64_t d = 0; d < D; ++d) oh[d] += p * vh[d];
+            }
+          }
+        }
+      };
+      if (window > 0)
+        attend(std::true_type{});
+      else
+        attend(std::false_type{});
     }
   });
   return out;
@@ -253,14 +307,21 @@ torch::Tensor native_paged_attention(torch::Tensor q, torch::Tensor k_cache, tor
                                      torch::Tensor block_tables, torch::Tensor seq_lens,
                                      torch::Tensor query_start_loc, torch::Tensor positions, double scale,
                                      int64_t window, double softcap, c10::optional<torch::Tensor> alibi_slopes) {
-  const bool plain = window == 0 && softcap == 0.0 && !alibi_slopes.has_value();
-  const bool fits = plain && q.scalar_type() == torch::kFloat && k_cache.scalar_type() == torch::kFloat &&
+  // the variant runs in the kernel too; an invalid one goes to the dispatcher, whose check says why
+  const bool variant_ok = window >= 0 && softcap >= 0.0 &&
+                          (!alibi_slopes.has_value() ||
+                           (alibi_slopes->dim() == 1 && q.dim() == 3 && alibi_slopes->size(0) == q.size(1) &&
+                            alibi_slopes->is_floating_point() && alibi_slopes->device().is_cpu()));
+  const bool fits = variant_ok && q.scalar_type() == torch::kFloat && k_cache.scalar_type() == torch::kFloat &&
                     v_cache.scalar_type() == torch::kFloat && k_cache.is_contiguous() && v_cache.is_contiguous() &&
                     block_tables.scalar_type() == torch::kInt && seq_lens.scalar_type() == torch::kInt &&
                     query_start_loc.scalar_type() == torch::kInt && positions.scalar_type() == torch::kLong;
-  if (fits && attention_pays(seq_lens, query_start_loc))
+  if (fits && attention_pays(seq_lens, query_start_loc)) {
+    c10::optional<torch::Tensor> slopes;
+    if (alibi_slopes.has_value()) slopes = alibi_slopes->to(torch::kFloat).contiguous();
     return paged_attention_short(q.contiguous(), k_cache, v_cache, block_tables.contiguous(), seq_lens.contiguous(),
-                                 query_start_loc.contiguous(), positions.contiguous(), scale);
+                                 query_start_loc.contiguous(), positions.contiguous(), scale, window, softcap, slopes);
+  }
   static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("specgraph::paged_attention", "")
       .typed<torch::Tensor(torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor,
                            torch::Tensor, double, int64_t, double, c10::optional<torch::Tensor>)>();
@@ -379,14 +440,16 @@ def build_error() -> str | None:
 
 def paged_attention_short_cpp(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, positions, scale,
                               window=0, softcap=0.0, alibi_slopes=None):
-    """The C++ kernel (same contract as ``paged_attention_ref``; float32 q and caches, any query counts)."""
+    """The C++ kernel (same contract as ``paged_attention_ref``, variant included; float32 q and caches, any
+    query counts; slopes of any float dtype are passed as float32)."""
     module = load()
     if module is None:
         raise RuntimeError(f"the C++ CPU attention kernel is not available: {_error}")
     return module.paged_attention_short(
         q.contiguous(), k_cache, v_cache, block_tables.to(torch.int32).contiguous(),
         seq_lens.to(torch.int32).contiguous(), query_start_loc.to(torch.int32).contiguous(),
-        positions.to(torch.int64).contiguous(), float(scale))
+        positions.to(torch.int64).contiguous(), float(scale), int(window), float(softcap),
+        None if alibi_slopes is None else alibi_slopes.to(torch.float32).contiguous())
 
 
 def _kernel_applies(q, k_cache, v_cache) -> bool:
@@ -396,12 +459,12 @@ def _kernel_applies(q, k_cache, v_cache) -> bool:
 
 def _cpp_takes(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, positions, scale, window=0,
                softcap=0.0, alibi_slopes=None) -> bool:
-    """The registry's test: float32 contiguous caches on CPU, the kernel built, and a step where it pays."""
-    if has_variant(window, softcap, alibi_slopes):
-        return False
+    """The registry's test: float32 contiguous caches on CPU, the kernel built, and a step where it pays
+    (with or without a variant: the kernel implements the window, the soft cap and ALiBi)."""
     if not (_kernel_applies(q, k_cache, v_cache) and load() is not None):
         return False
     check_attention_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, positions)
+    check_variant(q, window, softcap, alibi_slopes)
     return bool(load().attention_pays(seq_lens, query_start_loc))
 
 
