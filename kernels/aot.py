@@ -13,21 +13,21 @@ interpreter objects, which have nothing to compile. Run it in a process without 
 Specializations
 ---------------
 Constexprs are what change the binary. ``cache_write``: dtype x head_dim.
-``paged_attention``: dtype x head_dim x page_size, with the GQA group size ``G`` a
-runtime argument (every ``G <= 16`` runs the ``BLOCK_G = 16`` binary, so G in
-{1, 3, 4, 8} shares one build). Page size only changes index arithmetic, so the other
-page sizes are built for two (dtype, head_dim) points rather than the full cross product
-(measured on the 2-core dev box, cold Triton cache: 22 builds per arch, 14-25 s per arch
-depending on load; the full 27-point paged_attention cross product alone took ~35 s per
-arch). Triton's on-disk cache makes warm reruns take a few seconds.
+``paged_attention``, ``paged_attention_fp8`` and ``paged_attention_int4`` are the one attention
+kernel (``attention_kernel.py``) with its ``LAYOUT`` constexpr set to ``"float"`` / ``"fp8"`` /
+``"int4"``: dtype (the cache's; for quantized caches q's) x head_dim x page_size, with the
+GQA group size ``G`` a runtime argument (every ``G <= 16`` runs the ``BLOCK_G = 16`` binary,
+so G in {1, 3, 4, 8} shares one build). Page size only changes index arithmetic, so the
+other page sizes are built for a few (dtype, head_dim) points rather than the full cross
+product: bf16 / 128 and fp32 / 32 for float caches, bf16 / 64 for quantized ones (whose
+layout is fixed per scheme: e4m3 bits / int4 nibbles as ``uint8``, int4 groups following
+from head_dim). The variant's ``window`` is a runtime argument; its ``HAS_SOFTCAP`` /
+``HAS_ALIBI`` flags only add elementwise code on the scores, so their three on-combinations
+are built at the first of those points per layout. Quantized cache writes
+(``quant_cache_write.py``) build every (dtype, head_dim).
 
-Quantized caches (``quant_cache_write.py``, ``quant_paged_attention.py``): the cache
-layout is fixed per scheme (e4m3 bits / int4 nibbles as ``uint8``; int4 groups follow
-from head_dim), so the constexprs are the input (k/v or q) dtype x head_dim (x page size
-for attention). The writes build every (dtype, head_dim); the attention kernels build
-every (dtype, head_dim) at the default page size and the other page sizes at bf16 /
-head_dim 64 only (a build takes ~2 s: the 40 quantized builds add ~40-55 s per arch on
-the loaded dev box, cold cache).
+Cost: a build takes ~1.5-2.5 s on the 2-core dev box (cold Triton cache); Triton's on-disk
+cache makes warm reruns take a few seconds.
 """
 
 from __future__ import annotations
@@ -42,11 +42,10 @@ import torch
 import triton
 from triton.backends.compiler import GPUTarget
 
+from . import attention_kernel as _attention_kernel_mod
 from . import cache_write as _cache_write_mod
-from . import paged_attention as _paged_attention_mod
 from . import quant as _quant_mod
 from . import quant_cache_write as _quant_cache_write_mod
-from . import quant_paged_attention as _quant_paged_attention_mod
 from . import triton_helpers as _triton_helpers_mod
 
 ARCHS = (80, 90)
@@ -54,6 +53,7 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 HEAD_DIMS = (32, 64, 128)
 PAGE_SIZES = (8, 16, 32)
 GQA_GROUPS = (1, 3, 4, 8)
+VARIANT_FLAGS = ((True, False), (False, True), (True, True))  # (HAS_SOFTCAP, HAS_ALIBI) besides neither
 _DEFAULT_PAGE_SIZE = 16
 _TRITON_TYPE = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
@@ -67,12 +67,15 @@ class KernelSpec:
     head_dim: int
     page_size: int | None = None  # paged_attention only
     block_g: int | None = None  # paged_attention only: padded GQA group
+    softcap: bool = False  # paged_attention only: the variant's HAS_SOFTCAP / HAS_ALIBI
+    alibi: bool = False
 
     @property
     def tag(self) -> str:
         parts = [self.kernel_name, _TRITON_TYPE[self.dtype], f"d{self.head_dim}"]
         if self.page_size is not None:
             parts += [f"p{self.page_size}", f"g{self.block_g}"]
+        parts += ["softcap"] * self.softcap + ["alibi"] * self.alibi
         return "_".join(parts)
 
 
@@ -104,33 +107,6 @@ def _cache_write_source(spec: KernelSpec) -> triton.compiler.ASTSource:
     )
 
 
-def _paged_attention_source(spec: KernelSpec) -> triton.compiler.ASTSource:
-    t = _TRITON_TYPE[spec.dtype]
-    signature = {
-        "out_ptr": f"*{t}", "q_ptr": f"*{t}", "k_cache_ptr": f"*{t}", "v_cache_ptr": f"*{t}",
-        "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "positions_ptr": "*i64",
-        "seq_ids_ptr": "*i32",
-        "qk_scale": "fp32",
-        "stride_qn": "i32", "stride_qh": "i32", "stride_on": "i32", "stride_oh": "i32",
-        "stride_cache_block": "i32", "stride_cache_page": "i32", "stride_cache_head": "i32",
-        "stride_bt": "i32",
-        "group": "i32",
-        "HEAD_DIM": "constexpr", "BLOCK_D": "constexpr", "BLOCK_G": "constexpr",
-        "PAGE_SIZE": "constexpr", "BLOCK_N": "constexpr", "INTERPRETER": "constexpr",
-    }
-    constexprs = {
-        "HEAD_DIM": spec.head_dim,
-        "BLOCK_D": triton.next_power_of_2(spec.head_dim),
-        "BLOCK_G": spec.block_g,
-        "PAGE_SIZE": spec.page_size,
-        "BLOCK_N": _paged_attention_mod.BLOCK_N,
-        "INTERPRETER": False,
-    }
-    return triton.compiler.ASTSource(
-        fn=_paged_attention_mod._paged_attention_kernel, signature=signature, constexprs=constexprs
-    )
-
-
 def _cache_write_quant_source(spec: KernelSpec) -> triton.compiler.ASTSource:
     t = _TRITON_TYPE[spec.dtype]
     int4 = spec.kernel_name == "cache_write_int4"
@@ -157,35 +133,40 @@ def _cache_write_quant_source(spec: KernelSpec) -> triton.compiler.ASTSource:
     return triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs)
 
 
-def _paged_attention_quant_source(spec: KernelSpec) -> triton.compiler.ASTSource:
+def _paged_attention_source(spec: KernelSpec) -> triton.compiler.ASTSource:
     t = _TRITON_TYPE[spec.dtype]
-    int4 = spec.kernel_name == "paged_attention_int4"
-    params = "*fp16" if int4 else "*fp32"
+    layout = spec.kernel_name.removeprefix("paged_attention").removeprefix("_") or "float"
+    cache, params = {"float": (f"*{t}", None), "fp8": ("*u8", "*fp32"), "int4": ("*u8", "*fp16")}[layout]
     signature = {
-        "out_ptr": f"*{t}", "q_ptr": f"*{t}", "k_cache_ptr": "*u8", "v_cache_ptr": "*u8",
+        "out_ptr": f"*{t}", "q_ptr": f"*{t}", "k_cache_ptr": cache, "v_cache_ptr": cache,
         "k_params_ptr": params, "v_params_ptr": params,
         "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "positions_ptr": "*i64", "seq_ids_ptr": "*i32",
-        "qk_scale": "fp32",
+        "alibi_slopes_ptr": "*fp32" if spec.alibi else None,
+        "qk_scale": "fp32", "softcap": "fp32", "window": "i32",
         "stride_qn": "i32", "stride_qh": "i32", "stride_on": "i32", "stride_oh": "i32",
         "stride_bt": "i32",
         "kv_heads": "i32",
         "group": "i32",
     }
-    k_group, v_group = _int4_groups(spec.head_dim) if int4 else (0, 0)
-    constexprs = {
+    k_group, v_group = _int4_groups(spec.head_dim) if layout == "int4" else (0, 0)
+    # float caches have no params and a call without ALiBi no slopes: the launcher passes None
+    constexprs = {name: None for name, ty in signature.items() if ty is None}
+    constexprs.update({
         "HEAD_DIM": spec.head_dim,
         "BLOCK_D": triton.next_power_of_2(spec.head_dim),
         "BLOCK_G": spec.block_g,
         "PAGE_SIZE": spec.page_size,
-        "BLOCK_N": _paged_attention_mod.BLOCK_N,
-        "INT4": int4,
+        "BLOCK_N": _attention_kernel_mod.BLOCK_N,
+        "LAYOUT": layout,
         "K_GROUP": k_group,
         "V_GROUP": v_group,
+        "HAS_SOFTCAP": spec.softcap,
+        "HAS_ALIBI": spec.alibi,
         "INTERPRETER": False,
-    }
+    })
     signature.update({name: "constexpr" for name in constexprs})
     return triton.compiler.ASTSource(
-        fn=_quant_paged_attention_mod._quant_paged_attention_kernel, signature=signature, constexprs=constexprs
+        fn=_attention_kernel_mod.paged_attention_kernel, signature=signature, constexprs=constexprs
     )
 
 
@@ -195,11 +176,11 @@ def _int4_groups(head_dim: int) -> tuple[int, int]:
 
 _KERNELS = {
     "cache_write": (_cache_write_mod._cache_write_kernel, _cache_write_source),
-    "paged_attention": (_paged_attention_mod._paged_attention_kernel, _paged_attention_source),
+    "paged_attention": (_attention_kernel_mod.paged_attention_kernel, _paged_attention_source),
     "cache_write_fp8": (_quant_cache_write_mod._cache_write_fp8_kernel, _cache_write_quant_source),
     "cache_write_int4": (_quant_cache_write_mod._cache_write_int4_kernel, _cache_write_quant_source),
-    "paged_attention_fp8": (_quant_paged_attention_mod._quant_paged_attention_kernel, _paged_attention_quant_source),
-    "paged_attention_int4": (_quant_paged_attention_mod._quant_paged_attention_kernel, _paged_attention_quant_source),
+    "paged_attention_fp8": (_attention_kernel_mod.paged_attention_kernel, _paged_attention_source),
+    "paged_attention_int4": (_attention_kernel_mod.paged_attention_kernel, _paged_attention_source),
 }
 
 
@@ -208,7 +189,7 @@ def specializations(kernel_name: str) -> list[KernelSpec]:
     _check_kernel_name(kernel_name)
     if kernel_name.startswith("cache_write"):
         return [KernelSpec(kernel_name, dt, d) for dt in DTYPES for d in HEAD_DIMS]
-    block_gs = sorted({max(_paged_attention_mod.MIN_BLOCK_G, triton.next_power_of_2(g)) for g in GQA_GROUPS})
+    block_gs = sorted({max(_attention_kernel_mod.MIN_BLOCK_G, triton.next_power_of_2(g)) for g in GQA_GROUPS})
     specs = [
         KernelSpec(kernel_name, dt, d, _DEFAULT_PAGE_SIZE, bg)
         for dt in DTYPES for d in HEAD_DIMS for bg in block_gs
@@ -223,6 +204,13 @@ def specializations(kernel_name: str) -> list[KernelSpec]:
         KernelSpec(kernel_name, dt, d, p, bg)
         for dt, d in points
         for p in PAGE_SIZES if p != _DEFAULT_PAGE_SIZE for bg in block_gs
+    ]
+    # Score modifiers (elementwise code on the scores; the window is a runtime argument): each
+    # combination of HAS_SOFTCAP / HAS_ALIBI at the first point.
+    dt, d = points[0]
+    specs += [
+        KernelSpec(kernel_name, dt, d, _DEFAULT_PAGE_SIZE, bg, softcap, alibi)
+        for softcap, alibi in VARIANT_FLAGS for bg in block_gs
     ]
     return specs
 

@@ -26,9 +26,12 @@ GQA
 
 ``paged_attention_ref`` is the pure-torch reference, and the CPU path wherever the C++ kernel of
 ``cpu_kernels.py`` does not pay: a few gathers and SDPA calls per step (``attention_plan.py``).
-``paged_attention_triton`` launches ``_paged_attention_kernel``: one program per (token, kv head), handling that kv head's ``G`` query heads with an online softmax
-over ``BLOCK_N``-token key tiles (tiles may span pages; each key's block is looked up
-through the block table).
+``paged_attention_triton`` checks the arguments and launches the one Triton attention kernel
+(``attention_kernel.py``) with its float-cache tile loader: one program per (token, kv head),
+handling that kv head's ``G`` query heads with an online softmax over ``BLOCK_N``-token key
+tiles (tiles may span pages; each key's block is looked up through the block table), the
+variant included. The quantized caches (``quant_paged_attention.py``) plug their own loaders
+into the same kernel.
 """
 
 from __future__ import annotations
@@ -36,22 +39,13 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import triton
-import triton.language as tl
 
+from .attention_kernel import launch_paged_attention
 from .attention_plan import attend, plan_for
 from .registry import register
-from .triton_helpers import cast, check_launchable, dot, is_interpreted
 
 CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 INDEX_DTYPES = (torch.int32, torch.int64)
-
-# Key tokens per inner-loop iteration of the Triton kernel. Independent of page_size
-# (each key's page is looked up), >= 16 for tl.dot. 64 keeps the interpreter fast.
-BLOCK_N = 64
-# tl.dot needs M >= 16 on NVIDIA: the G query heads of one kv head are padded to this.
-MIN_BLOCK_G = 16
-LOG2_E = 1.4426950408889634
 
 
 def check_stream_args(
@@ -204,16 +198,6 @@ def attend_pages_ref(
     return attend(q, plan, gather, kv_heads, scale, softcap, alibi_slopes)
 
 
-def token_seq_ids(query_start_loc: torch.Tensor, num_tokens: int) -> torch.Tensor:  # [N] int32
-    """``seq_ids[i]`` = sequence of stream token ``i`` (host-free: ``output_size`` avoids a sync)."""
-    num_seqs = query_start_loc.shape[0] - 1
-    return torch.repeat_interleave(
-        torch.arange(num_seqs, device=query_start_loc.device, dtype=torch.int32),
-        query_start_loc[1:] - query_start_loc[:-1],
-        output_size=num_tokens,
-    )
-
-
 def paged_attention_triton(
     q: torch.Tensor,  # [N, num_heads, head_dim]
     k_cache: torch.Tensor,  # [num_blocks, page_size, kv_heads, head_dim]
@@ -239,105 +223,12 @@ def paged_attention_triton(
     """
     check_attention_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, positions)
     check_variant(q, window, softcap, alibi_slopes)
-    if has_variant(window, softcap, alibi_slopes):
-        raise NotImplementedError("the Triton kernels do not take window/softcap/alibi_slopes yet")
-    if q.stride(-1) != 1:
-        raise ValueError("q must be contiguous in head_dim (stride(-1) == 1)")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("k_cache and v_cache must be contiguous")
-    if block_tables.stride(-1) != 1:
-        raise ValueError("block_tables must be contiguous in its last dim")
-    num_tokens, num_heads, head_dim = q.shape
     _, page_size, kv_heads, _ = k_cache.shape
-    group = num_heads // kv_heads
-    out = q.new_empty(q.shape)
-    if num_tokens == 0:
-        return out
-    check_launchable(_paged_attention_kernel, q.device)
-    seq_ids = token_seq_ids(query_start_loc, num_tokens)
-    _paged_attention_kernel[(num_tokens, kv_heads)](
-        out, q, k_cache, v_cache, block_tables, seq_lens, positions, seq_ids,
-        scale * LOG2_E,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_tables.stride(0),
-        group,
-        HEAD_DIM=head_dim,
-        BLOCK_D=triton.next_power_of_2(head_dim),
-        BLOCK_G=max(MIN_BLOCK_G, triton.next_power_of_2(group)),
-        PAGE_SIZE=page_size,
-        BLOCK_N=BLOCK_N,
-        INTERPRETER=is_interpreted(_paged_attention_kernel),
-    )
-    return out
-
-
-@triton.jit
-def _paged_attention_kernel(
-    out_ptr, q_ptr,  # [N, H, D]
-    k_cache_ptr, v_cache_ptr,  # [num_blocks, PAGE_SIZE, KVH, D], contiguous
-    block_tables_ptr,  # [S, max_blocks]
-    seq_lens_ptr,  # [S]
-    positions_ptr,  # [N]
-    seq_ids_ptr,  # [N] int32
-    qk_scale,  # softmax scale * log2(e): the softmax runs in base 2
-    stride_qn, stride_qh, stride_on, stride_oh,
-    stride_cache_block, stride_cache_page, stride_cache_head,  # same for k and v caches
-    stride_bt,
-    group,  # G = H // KVH (runtime: all G <= BLOCK_G share one binary)
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,  # next power of two >= HEAD_DIM
-    BLOCK_G: tl.constexpr,  # next power of two >= max(G, 16)
-    PAGE_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr,  # key tokens per iteration
-    INTERPRETER: tl.constexpr,  # work around interpreter numerics (triton_helpers.py)
-):
-    tok = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    seq = tl.load(seq_ids_ptr + tok)
-    pos = tl.load(positions_ptr + tok).to(tl.int32)
-    seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
-    num_keys = tl.minimum(pos + 1, seq_len)
-
-    offs_g = tl.arange(0, BLOCK_G)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask_g = offs_g < group
-    mask_d = offs_d < HEAD_DIM
-    heads = kv_head * group + offs_g
-    q_off = tok * stride_qn + heads[:, None] * stride_qh + offs_d[None, :]
-    q = tl.load(q_ptr + q_off, mask=mask_g[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_G, BLOCK_D]
-    q = cast(q, k_cache_ptr.dtype.element_ty, INTERPRETER)  # dot in the cache dtype, accumulate in fp32
-
-    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)  # running max (base-2 logits)
-    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)  # running softmax denominator
-    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
-    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    for start in range(0, num_keys, BLOCK_N):
-        offs_n = start + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < num_keys
-        block = tl.load(bt_row + offs_n // PAGE_SIZE, mask=mask_n, other=0).to(tl.int64)
-        kv_off = (block * stride_cache_block + (offs_n % PAGE_SIZE) * stride_cache_page
-                  + kv_head * stride_cache_head)
-        kv_ptrs = kv_off[:, None] + offs_d[None, :]  # [BLOCK_N, BLOCK_D]
-        kv_mask = mask_n[:, None] & mask_d[None, :]
-        k = tl.load(k_cache_ptr + kv_ptrs, mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + kv_ptrs, mask=kv_mask, other=0.0)
-
-        s = dot(q, tl.trans(k), INTERPRETER) * qk_scale  # [BLOCK_G, BLOCK_N]
-        s = tl.where(mask_n[None, :], s, float("-inf"))
-        # Every tile holds >= 1 valid key, so m_new is finite and exp2(-inf) = 0 is safe.
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + dot(cast(p, v.dtype, INTERPRETER), v, INTERPRETER)
-        m_i = m_new
-
-    l_i = tl.where(l_i > 0.0, l_i, 1.0)  # no visible key (bad input): output 0, not NaN
-    o = acc / l_i[:, None]
-    o_off = tok * stride_on + heads[:, None] * stride_oh + offs_d[None, :]
-    o = cast(o, out_ptr.dtype.element_ty, INTERPRETER)
-    tl.store(out_ptr + o_off, o, mask=mask_g[:, None] & mask_d[None, :])
+    return launch_paged_attention(q, k_cache, v_cache, None, None, block_tables, seq_lens, query_start_loc,
+                                  positions, scale, window, softcap, alibi_slopes,
+                                  layout="float", page_size=page_size, kv_heads=kv_heads)
 
 
 register("paged_attention", "reference", paged_attention_ref, ("cpu", "cuda"))

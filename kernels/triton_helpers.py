@@ -12,6 +12,9 @@ differs from the GPU in two ways that matter here, so the kernels take an
   FEASIBILITY.md Q4 for the fp8 twin). We round on the fp32 bits first, so the final
   cast only drops zero bits and is exact.
 
+:func:`tanh` (attention's soft cap) is built from ``exp2``: core ``tl`` has no tanh, and
+libdevice's is unavailable in the interpreter.
+
 FP8 (e4m3) is handled on its *bits*, stored as ``uint8``: :func:`rne_e4m3` rounds an fp32
 value to the nearest e4m3 value (ties to even, saturating at +-448, like torch's
 ``.to(torch.float8_e4m3fn)``), :func:`e4m3_to_bits` / :func:`e4m3_from_bits` encode and
@@ -71,6 +74,22 @@ def dot(a, b, INTERPRETER: tl.constexpr):
         a = a.to(tl.float32)
         b = b.to(tl.float32)
     return tl.dot(a, b, input_precision="ieee")
+
+
+TWO_LOG2_E = tl.constexpr(2.8853900817779268)  # 2 * log2(e)
+
+
+@triton.jit
+def tanh(x):
+    """fp32 ``tanh(x)`` from ``exp2``: ``sign(x) * (1 - e) / (1 + e)`` with ``e = exp(-2|x|)``.
+
+    Core ``tl`` has no tanh and the interpreter has no libdevice; ``e`` in (0, 1] never
+    overflows, so large ``|x|`` give exactly +-1. Absolute error ~1e-7 (relative error grows
+    as ``|x| -> 0``, where tanh(x) ~ x; fine for soft-capping, whose scores are ~|x| * cap).
+    """
+    e = tl.exp2(tl.abs(x) * -TWO_LOG2_E)
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0, -t, t)
 
 
 E4M3_MAX = tl.constexpr(448.0)  # largest finite float8_e4m3fn value

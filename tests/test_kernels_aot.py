@@ -94,6 +94,26 @@ def test_quantized_specializations_cover_the_launch_matrix():
         assert signature["k_cache_ptr"] == signature["v_cache_ptr"] == "*u8"
 
 
+def test_attention_layouts_and_variants_are_specializations_of_one_kernel():
+    """The float, fp8 and int4 attention builds are one kernel with LAYOUT set; each layout also
+    builds every combination of the variant's constexpr flags (the window is a runtime argument)."""
+    def constexpr(source, name):
+        return source.constants[(source.fn.arg_names.index(name),)]
+
+    names = ("paged_attention", "paged_attention_fp8", "paged_attention_int4")
+    assert len({aot._KERNELS[name][0] for name in names}) == 1
+    for name, layout in zip(names, ("float", "fp8", "int4")):
+        specs = aot.specializations(name)
+        plain = aot._KERNELS[name][1](specs[0])
+        assert constexpr(plain, "LAYOUT") == layout
+        assert plain.signature["window"] == "i32" and plain.signature["softcap"] == "fp32"
+        assert constexpr(plain, "alibi_slopes_ptr") is None  # no ALiBi: the launcher passes None
+        assert {(s.softcap, s.alibi) for s in specs} == {(False, False), *aot.VARIANT_FLAGS}
+        flagged = aot._KERNELS[name][1](next(s for s in specs if s.softcap and s.alibi))
+        assert constexpr(flagged, "HAS_SOFTCAP") and constexpr(flagged, "HAS_ALIBI")
+        assert flagged.signature["alibi_slopes_ptr"] == "*fp32"
+
+
 def test_refuses_to_run_under_the_interpreter():
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
         aot.compile_all(90)

@@ -2,7 +2,8 @@
 
 Batches are ragged streams of decodes (1 token at seq_len - 1), chunked prefills
 (positions start > 0), full prefills and empty sequences, over random non-contiguous
-block tables with blocks shared between sequences (prefix caching).
+block tables with blocks shared between sequences (prefix caching); the score modifiers
+(sliding window, soft cap, ALiBi) are drawn on top.
 """
 
 import os
@@ -17,12 +18,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from triton.runtime.interpreter import InterpretedFunction
 
-from specgraph.kernels import paged_attention as pa
+from specgraph.kernels.attention_kernel import paged_attention_kernel
 from specgraph.kernels.cache_write import cache_write_ref
 from specgraph.kernels.paged_attention import paged_attention_ref, paged_attention_triton
 from specgraph.kernels.registry import dispatch, select
 
-if not isinstance(pa._paged_attention_kernel, InterpretedFunction):
+if not isinstance(paged_attention_kernel, InterpretedFunction):
     raise RuntimeError("specgraph.kernels was imported before TRITON_INTERPRET=1 was set: the Triton kernels would not run in the interpreter")
 
 ATOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
@@ -192,6 +193,43 @@ def test_triton_matches_ref(b):
     assert out.dtype == b.q.dtype and out.shape == b.q.shape
     dtype = b.q.dtype
     torch.testing.assert_close(out.float(), expected.float(), atol=ATOL[dtype], rtol=RTOL[dtype])
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.data())
+def test_triton_with_window_softcap_alibi_matches_ref(data):
+    """Every combination of the score modifiers, fp32 and bf16 caches (windows of 1 key and wider
+    than the context included)."""
+    b = data.draw(batches())
+    variant = data.draw(variants(b.q.shape[1]))
+    expected = paged_attention_ref(*b.args(), *variant.args())
+    out = paged_attention_triton(*b.args(), *variant.args())
+    assert out.dtype == b.q.dtype and out.shape == b.q.shape
+    dtype = b.q.dtype
+    torch.testing.assert_close(out.float(), expected.float(), atol=ATOL[dtype], rtol=RTOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_window_past_the_first_key_tiles(dtype):
+    """Long sequences, where a window skips whole 64-key tiles (its keys start at any offset), with
+    the cap and ALiBi; against the float64 dense loop too."""
+    b = make_batch(2, 16, kv_heads=1, group=2, head_dim=32, dtype=dtype, seqs=[(150, 6, 0), (140, 1, 0)])
+    for variant in (Variant(window=20), Variant(window=64, softcap=5.0),
+                    Variant(window=75, alibi_slopes=torch.tensor([0.25, 0.0625]))):
+        expected = paged_attention_ref(*b.args(), *variant.args())
+        torch.testing.assert_close(paged_attention_triton(*b.args(), *variant.args()).float(), expected.float(),
+                                   atol=ATOL[dtype], rtol=RTOL[dtype])
+        torch.testing.assert_close(expected.double(), naive_dense_attention(b, variant), atol=ATOL[dtype],
+                                   rtol=RTOL[dtype])
+
+
+def test_triton_token_without_visible_keys_gets_zeros():
+    """A position past seq_len (bad input) whose window lies beyond the cached keys: no tile runs,
+    output 0 rather than NaN."""
+    b = make_batch(3, 8, kv_heads=1, group=1, head_dim=32, dtype=torch.float32, seqs=[(66, 1, 0)])
+    b.positions[0] = 100  # window 31: keys 70..100, all past seq_len 66
+    out = paged_attention_triton(*b.args(), 31)
+    assert torch.equal(out, torch.zeros_like(out))
 
 
 # Fixed batches so that every run covers each feature, whatever hypothesis draws:

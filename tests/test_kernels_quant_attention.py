@@ -3,7 +3,8 @@
 * Triton (interpreter) == torch ref, on the float test's ragged batches (decodes, chunked
   prefills, full prefills, empty sequences, shared prefix pages, GQA 1..4, page sizes
   8/16/32, head_dim 32/64, fp32 and bf16 queries); unwritten slots hold garbage bytes
-  (NaN patterns included) that must never be read.
+  (NaN patterns included) that must never be read; also with the score modifiers (sliding
+  window, soft cap, ALiBi).
 * ref == naive dense attention over the dequantized K/V (same math), and ref within a
   rigorous quantization-error bound of float attention over the original K/V.
 * The ref dequantizes only the slots of the sequences it attends over, never the pool.
@@ -22,6 +23,7 @@ from hypothesis import strategies as st
 
 from specgraph.kernels import get_scheme
 from specgraph.kernels import quant_paged_attention as qpa
+from specgraph.kernels.attention_kernel import paged_attention_kernel
 from specgraph.kernels.quant import (
     INT4_GROUPS,
     dequantize_fp8,
@@ -32,9 +34,9 @@ from specgraph.kernels.quant import (
 )
 from specgraph.kernels.quant_cache_write import cache_write_fp8_ref, cache_write_int4_ref
 from specgraph.kernels.triton_helpers import is_interpreted
-from test_kernels_paged_attention import MIXED, Batch, batches, make_batch, naive_dense_attention
+from test_kernels_paged_attention import MIXED, Batch, batches, make_batch, naive_dense_attention, variants
 
-if not is_interpreted(qpa._quant_paged_attention_kernel):
+if not is_interpreted(paged_attention_kernel):
     raise RuntimeError("specgraph.kernels was imported before TRITON_INTERPRET=1 was set: the Triton kernels would not run in the interpreter")
 
 ATTENTION = {
@@ -120,6 +122,20 @@ def test_triton_matches_ref(b, scheme):
     out = tri(*qb.args())
     assert out.dtype == b.q.dtype and out.shape == b.q.shape
     assert torch.isfinite(expected).all()
+    torch.testing.assert_close(out.float(), expected.float(), atol=ATOL[b.q.dtype], rtol=RTOL[b.q.dtype])
+
+
+@settings(max_examples=15, deadline=None)
+@given(st.data(), st.sampled_from(["fp8", "int4"]))
+def test_triton_with_window_softcap_alibi_matches_ref(data, scheme):
+    """The score modifiers (sliding window, soft cap, ALiBi) over quantized caches, fp32 and bf16 q."""
+    b = data.draw(batches())
+    variant = data.draw(variants(b.q.shape[1]))
+    qb = quantize_batch(b, scheme)
+    ref, tri = ATTENTION[scheme]
+    expected = ref(*qb.args(), *variant.args())
+    out = tri(*qb.args(), *variant.args())
+    assert out.dtype == b.q.dtype and out.shape == b.q.shape
     torch.testing.assert_close(out.float(), expected.float(), atol=ATOL[b.q.dtype], rtol=RTOL[b.q.dtype])
 
 

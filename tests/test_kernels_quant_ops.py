@@ -11,10 +11,11 @@ import torch
 from torch._dynamo.testing import AotEagerAndRecordGraphs
 
 import specgraph.kernels  # noqa: F401  (registers torch.ops.specgraph.*)
+import specgraph.kernels.attention_kernel
 from specgraph.kernels import QUANT_SCHEMES, registry, use_triton_kernels
 from specgraph.kernels.triton_helpers import is_interpreted
 
-if not is_interpreted(specgraph.kernels.quant_paged_attention._quant_paged_attention_kernel):
+if not is_interpreted(specgraph.kernels.attention_kernel.paged_attention_kernel):
     raise RuntimeError("specgraph.kernels was imported before TRITON_INTERPRET=1 was set: the Triton kernels would not run in the interpreter")
 
 PAGE, KVH, GROUP, D = 8, 2, 2, 64
