@@ -37,13 +37,15 @@ from typing import Callable
 import torch
 import torch.fx as fx
 
+from .signature import InputSpec, Role
 from ..kernels.config import use_triton_kernels
 from ..passes.graph_utils import attr_value
 from .dump import Dumper
 from .lowering import bind_gemv, bind_native_ops
 from .passes import copy_graph_module
 
-_STREAM_INPUTS = ("positions", "slot_mapping", "block_tables", "seq_lens", "query_start_loc", "logits_indices")
+# inputs whose every dim varies from step to step (tokens, sequences, table width)
+_STREAM_ROLES = {Role.POSITIONS, Role.SLOTS, Role.BLOCK_TABLES, Role.SEQ_LENS, Role.QUERY_START, Role.LOGITS_INDICES}
 _CACHE_DIR_ENV = "TORCHINDUCTOR_CACHE_DIR"
 
 
@@ -195,8 +197,8 @@ def _time_linears(weights: list[torch.Tensor], repeats: int = 5) -> dict[str, fl
 class StepGraphs:
     """Compiled step graphs of one decoder program (see module docstring)."""
 
-    def __init__(self, gm: fx.GraphModule, placeholder_order: list[str], ids_name: str, len_name: str | None,
-                 lowering: str, buckets: tuple[int, ...], dump_dir: str | None = None, bucket_linears: str = "inductor"):
+    def __init__(self, gm: fx.GraphModule, inputs: list[InputSpec], lowering: str, buckets: tuple[int, ...],
+                 dump_dir: str | None = None, bucket_linears: str = "inductor"):
         if lowering not in ("inductor", "triton-interpret"):
             raise ValueError(f"StepGraphs compiles the inductor lowerings; got {lowering!r}")
         self.lowering = lowering
@@ -206,15 +208,17 @@ class StepGraphs:
         self._warm = None  # compiles when warm_up finished
         self.compile_seconds = 0.0
         self.dump_dir = dump_dir
-        self._keep = [i for i, name in enumerate(placeholder_order) if name != len_name]
-        self._names = [placeholder_order[i] for i in self._keep]
-        self._ids_name = ids_name
+        names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+        ids_name = names[[s.role for s in inputs].index(Role.TOKENS)]
+        len_name = next((name for name, s in zip(names, inputs) if s.role == Role.LENGTH), None)
+        self._keep = [i for i, spec in enumerate(inputs) if spec.role != Role.LENGTH]
+        self._roles = [inputs[i].role for i in self._keep]
         self._base = _tensor_inputs_only(gm, ids_name, len_name)
         on_cpu = all(t.device.type == "cpu" for t in self._base.parameters())
         if lowering == "inductor" and on_cpu:
             bind_native_ops(self._base)
         self._graphs: dict[object, Callable] = {}  # (bucket size or "dynamic", cache size) -> compiled
-        caches = [i for i, name in enumerate(self._names) if name.startswith("k_cache")]
+        caches = [i for i, k in enumerate(self._keep) if inputs[k].role == Role.CACHE and inputs[k].part == "k"]
         self._first_cache = caches[0] if caches else None
         self._table_width: int | None = None
 
@@ -275,7 +279,7 @@ class StepGraphs:
         if key != "dynamic" and self.bucket_linears == "gemv":
             bind_gemv(gm)
         if key == "dynamic":
-            fake_mode, examples = _symbolic_inputs(inputs, self._names, self._ids_name)
+            fake_mode, examples = _symbolic_inputs(inputs, self._roles)
             with torch._guards.tracing(torch._guards.TracingContext(fake_mode)):
                 compiled = compile_graph(gm, examples, self.lowering, self.dump_dir, name)
         else:
@@ -285,7 +289,7 @@ class StepGraphs:
         return compiled
 
 
-def _symbolic_inputs(inputs: list, names: list[str], ids_name: str):
+def _symbolic_inputs(inputs: list, roles: list[Role]):
     """Fake example inputs whose stream sizes (tokens, sequences, logit rows, table width) are
     distinct symbols, every other size static."""
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -293,11 +297,11 @@ def _symbolic_inputs(inputs: list, names: list[str], ids_name: str):
 
     fake_mode = FakeTensorMode(shape_env=ShapeEnv(duck_shape=False), allow_non_fake_inputs=True)
     examples = []
-    for name, value in zip(names, inputs):
+    for role, value in zip(roles, inputs):
         if not isinstance(value, torch.Tensor):
             examples.append(value)
             continue
-        dynamic = range(value.dim()) if name in _STREAM_INPUTS else (1,) if name == ids_name else ()
+        dynamic = range(value.dim()) if role in _STREAM_ROLES else (1,) if role == Role.TOKENS else ()
         sizes = [DimDynamic.DYNAMIC if d in dynamic else DimDynamic.STATIC for d in range(value.dim())]
         examples.append(fake_mode.from_tensor(value, symbolic_context=StatelessSymbolicContext(dynamic_sizes=sizes)))
     return fake_mode, examples

@@ -23,6 +23,7 @@ import torch
 import torch.fx as fx
 
 from .options import BackendOptions
+from .signature import DecoderSignature
 
 
 @dataclass
@@ -56,14 +57,17 @@ class PassRecord:
 
 @dataclass
 class PassContext:
-    """What passes share: options, the analysis, sample inputs (by placeholder name) and facts."""
+    """What passes share: options, the analysis, sample inputs (by placeholder name), the graph's typed
+    inputs (``signature``) and what the decoder passes decided."""
 
     options: BackendOptions
     analysis: Any = None  # compiler.analysis.GraphAnalysis once the "annotate" pass ran
     cache_free_gm: fx.GraphModule | None = None  # the analysed graph as captured (annotate), for self-checks
     cache_free_inputs: dict[str, Any] = field(default_factory=dict)  # its sample inputs
     sample_inputs: dict[str, Any] = field(default_factory=dict)
-    facts: dict[str, Any] = field(default_factory=dict)
+    signature: DecoderSignature = field(default_factory=DecoderSignature)
+    kv_scheme: Any = None  # kernels.quant.QuantScheme once kv_quant quantized the cache
+    selects_logits: bool = False  # select_logits made the LM head read only logits_indices rows
     log: list[PassRecord] = field(default_factory=list)
 
 

@@ -17,6 +17,7 @@ from typing import Any, Callable, NamedTuple
 import torch
 import torch.fx as fx
 
+from .signature import CACHE_PARTS, Role, SignatureError
 from .analysis import pick_output
 from .backend import CompiledGraph, run_capture_pipeline
 from .lowering import lower
@@ -119,7 +120,9 @@ class StepShape(NamedTuple):
 
 COMPILE_THREAD = "specgraph-compile"  # the thread of a background compile_steps
 
-_CACHE_INPUTS = ("k_cache", "v_cache", "k_scale", "v_scale")  # per-layer graph inputs, in allocation order
+# the inputs a program feeds on every call (CACHE_ROWS must be gone: paging replaces it)
+RUNTIME_ROLES = {Role.TOKENS, Role.LENGTH, Role.STATIC, Role.POSITIONS, Role.SLOTS, Role.BLOCK_TABLES, Role.SEQ_LENS,
+                 Role.QUERY_START, Role.LOGITS_INDICES, Role.CACHE}
 
 
 @dataclass
@@ -151,7 +154,6 @@ class DecoderProgram:
     vocab_size: int
     page_size: int
     selects_logits: bool
-    static_inputs: dict[str, Any] = field(default_factory=dict)  # lifted scalars, fixed at capture
     self_check_seconds: float | None = None  # time the compile-time self-check took (None: not run)
 
     @property
@@ -179,17 +181,12 @@ class DecoderProgram:
             raise ValueError(f"metadata describes {meta.positions.numel()} tokens, the stream has {n}")
         if len(kv_cache) != len(self.layers):
             raise ValueError(f"kv_cache has {len(kv_cache)} layers; the model has {len(self.layers)}")
-        values = dict(self.static_inputs)
-        values.update(positions=meta.positions, slot_mapping=meta.slot_mapping, block_tables=meta.block_tables,
-                      seq_lens=meta.seq_lens, query_start_loc=meta.query_start_loc,
-                      logits_indices=meta.logits_indices)
-        values[self._ids_name] = input_ids.view(1, n)
-        if self._len_name is not None:
-            values[self._len_name] = n
-        for layer, tensors in enumerate(kv_cache):
-            for prefix, t in zip(_CACHE_INPUTS, tensors):
-                values[f"{prefix}_{layer}"] = t
-        return [values[name] for name in self._order]
+        by_role = {Role.TOKENS: input_ids.view(1, n), Role.LENGTH: n, Role.POSITIONS: meta.positions,
+                   Role.SLOTS: meta.slot_mapping, Role.BLOCK_TABLES: meta.block_tables, Role.SEQ_LENS: meta.seq_lens,
+                   Role.QUERY_START: meta.query_start_loc, Role.LOGITS_INDICES: meta.logits_indices}
+        return [spec.value if spec.role == Role.STATIC
+                else kv_cache[spec.layer][CACHE_PARTS.index(spec.part)] if spec.role == Role.CACHE
+                else by_role[spec.role] for spec in self._inputs]
 
     def logits_of(self, out, meta: AttentionMetadata) -> torch.Tensor:
         """``[M, vocab]`` logits of the rows ``meta.logits_indices`` from the graph's raw output."""
@@ -263,7 +260,7 @@ class DecoderProgram:
             buckets, bucket_linears, self.step_plan = plan.buckets, plan.bucket_linears, plan.reason
         else:
             self.step_plan = f"buckets {buckets} given, linears: {bucket_linears}"
-        steps = StepGraphs(self.gm, self._order, self._ids_name, self._len_name, self.lowering, buckets,
+        steps = StepGraphs(self.gm, self._inputs, self.lowering, buckets,
                            dump_dir=self.compiled.context.options.dump_dir, bucket_linears=bucket_linears)
 
         def run_padding_step(shape: StepShape) -> None:
@@ -295,11 +292,9 @@ class DecoderProgram:
         return self._device
 
     def __post_init__(self) -> None:
-        analysis = self.compiled.context.analysis
-        self._ids_name = analysis.input_ids.name
-        self._logits_index = analysis.logits_index
-        self._len_name = analysis.seq_len.name if analysis.seq_len is not None else None
-        self._order = [n.name for n in self.gm.graph.nodes if n.op == "placeholder"]
+        context = self.compiled.context
+        self._logits_index = context.analysis.logits_index
+        self._inputs = context.signature.validate(self.gm, RUNTIME_ROLES)  # each placeholder's role, in order
         self._device = next(iter(self.gm.parameters()), torch.empty(0)).device
         options = self.compiled.context.options
         self._eager = lower(self.gm, prepack=options.prepack_weights, dump_dir=options.dump_dir)
@@ -354,16 +349,12 @@ def compile_decoder(model: torch.nn.Module, options: BackendOptions | None = Non
 def _program(compiled: CompiledGraph, options: BackendOptions) -> DecoderProgram:
     ctx = compiled.context
     analysis = ctx.analysis
-    scheme = ctx.facts.get("kv_scheme")
-    layers = [LayerCacheSpec(s.kv_heads, s.head_dim, s.q.meta["val"].dtype if scheme else
-                             ctx.facts["kv_caches"][i][0].meta["val"].dtype, scheme)
-              for i, s in enumerate(analysis.sites)]
-    known = {"positions", "slot_mapping", "block_tables", "seq_lens", "query_start_loc", "logits_indices",
-             analysis.input_ids.name} | ({analysis.seq_len.name} if analysis.seq_len is not None else set())
-    static_inputs = {}
-    for node in compiled.gm.graph.nodes:
-        if node.op == "placeholder" and node.name not in known and not node.name.startswith(_CACHE_INPUTS):
-            static_inputs[node.name] = node.meta.get("example")
+    caches = ctx.signature.caches(compiled.gm)
+    if sorted(caches) != [s.layer for s in analysis.sites]:
+        raise SignatureError(f"cache inputs for layers {sorted(caches)}; the model has attention sites "
+                             f"{[s.layer for s in analysis.sites]}")
+    layers = [LayerCacheSpec(s.kv_heads, s.head_dim, s.q.meta["val"].dtype if ctx.kv_scheme else
+                             caches[s.layer]["k"].meta["val"].dtype, ctx.kv_scheme)
+              for s in analysis.sites]
     return DecoderProgram(compiled=compiled, layers=layers, vocab_size=analysis.vocab_size,
-                          page_size=options.page_size, selects_logits=ctx.facts.get("selects_logits", False),
-                          static_inputs=static_inputs)
+                          page_size=options.page_size, selects_logits=ctx.selects_logits)

@@ -14,10 +14,26 @@ import torch.fx as fx
 
 from ..compiler.analysis import analyze
 from ..compiler.passes import PassContext, PassResult, copy_graph_module
+from ..compiler.signature import Role
 
 
 def _sym(d):
     return d.node.expr if isinstance(d, torch.SymInt) else d
+
+
+def _declare_captured_inputs(gm: fx.GraphModule, ctx: PassContext) -> None:
+    """The capture's own inputs: the token ids, the symbolic length, and values Dynamo lifted out of
+    the model (fed their captured value on every call)."""
+    analysis = ctx.analysis
+    for node in gm.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        if node is analysis.input_ids:
+            ctx.signature.declare(node, Role.TOKENS)
+        elif node is analysis.seq_len:
+            ctx.signature.declare(node, Role.LENGTH)
+        else:
+            ctx.signature.declare(node, Role.STATIC, value=node.meta.get("example"))
 
 
 def annotate(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
@@ -28,6 +44,7 @@ def annotate(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         elif isinstance(val, torch.SymInt):
             node.meta["sym_expr"] = val.node.expr
     ctx.analysis = analyze(gm)
+    _declare_captured_inputs(gm, ctx)
     sites = ctx.analysis.sites
     for site in sites:
         site.output.meta["attention_site"] = site.layer

@@ -20,13 +20,6 @@ def add_input(gm: fx.GraphModule, name: str, fake_val: Any) -> fx.Node:
     return node
 
 
-def find_input(gm: fx.GraphModule, name: str) -> fx.Node:
-    for n in gm.graph.nodes:
-        if n.op == "placeholder" and n.name == name:
-            return n
-    raise KeyError(f"graph has no input {name!r}")
-
-
 def attr_value(gm: fx.GraphModule, target: str):
     """The object a ``get_attr`` node with this ``target`` ("a.b.c") reads, or None."""
     value = gm

@@ -24,7 +24,8 @@ import torch.fx as fx
 from .. import kernels  # noqa: F401  (registers the specgraph:: ops)
 from ..compiler.passes import PassContext, PassResult
 from ..kernels import contiguous  # noqa: F401
-from .graph_utils import add_input, fake_like, find_input, refresh_meta, remove_dead_code
+from ..compiler.signature import Role
+from .graph_utils import fake_like, refresh_meta, remove_dead_code
 
 aten = torch.ops.aten
 specgraph = torch.ops.specgraph
@@ -58,19 +59,18 @@ def _variant(gm: fx.GraphModule, site) -> tuple:
 def kv_cache(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     analysis = ctx.analysis
     g = gm.graph
-    positions = find_input(gm, "positions")
+    sig = ctx.signature
+    positions = sig.input(gm, Role.POSITIONS)
     n_seq = 1
-    rows = add_input(gm, "cache_rows", fake_like(gm, (n_seq,), torch.int32))
-    seq_lens = add_input(gm, "seq_lens", fake_like(gm, (n_seq,), torch.int32))
-    qsl = add_input(gm, "query_start_loc", fake_like(gm, (n_seq + 1,), torch.int32))
+    rows = sig.add(gm, "cache_rows", fake_like(gm, (n_seq,), torch.int32), Role.CACHE_ROWS)
+    seq_lens = sig.add(gm, "seq_lens", fake_like(gm, (n_seq,), torch.int32), Role.SEQ_LENS)
+    qsl = sig.add(gm, "query_start_loc", fake_like(gm, (n_seq + 1,), torch.int32), Role.QUERY_START)
     T = int(ctx.sample_inputs["positions"].numel()) if "positions" in ctx.sample_inputs else 1
-    caches = []
     for site in analysis.sites:
         dtype = cache_dtype(ctx, site.q.meta["val"].dtype)
         shape = (n_seq, T, site.kv_heads, site.head_dim)
-        kc = add_input(gm, f"k_cache_{site.layer}", fake_like(gm, shape, dtype))
-        vc = add_input(gm, f"v_cache_{site.layer}", fake_like(gm, shape, dtype))
-        caches.append((kc, vc))
+        kc = sig.add(gm, f"k_cache_{site.layer}", fake_like(gm, shape, dtype), Role.CACHE, site.layer, "k")
+        vc = sig.add(gm, f"v_cache_{site.layer}", fake_like(gm, shape, dtype), Role.CACHE, site.layer, "v")
         with g.inserting_before(site.output):
             k = _tokens_major(g, site.k, site.kv_heads, site.head_dim)
             v = _tokens_major(g, site.v, site.kv_heads, site.head_dim)
@@ -86,7 +86,6 @@ def kv_cache(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         site.output.replace_all_uses_with(o)
         o.meta["attention_site"] = site.layer  # the self-check compares it with the cache-free graph's
     remove_dead_code(g)
-    ctx.facts["kv_caches"] = caches
     if "positions" in ctx.sample_inputs:
         ctx.sample_inputs.update(
             cache_rows=torch.zeros(1, dtype=torch.int32), seq_lens=torch.tensor([T], dtype=torch.int32),

@@ -22,7 +22,8 @@ import torch.fx as fx
 
 from ..compiler.passes import PassContext, PassResult
 from ..kernels.quant import get_scheme
-from .graph_utils import add_input, find_input, refresh_meta
+from ..compiler.signature import Role
+from .graph_utils import refresh_meta
 
 specgraph = torch.ops.specgraph
 
@@ -34,44 +35,44 @@ def kv_quant(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     scheme = get_scheme(kind)
     g = gm.graph
     page = ctx.options.page_size
+    sig = ctx.signature
     layers = {}
-    for kc, vc in ctx.facts["kv_caches"]:
-        layer = int(kc.name.rsplit("_", 1)[1])
+    for layer, parts in sig.caches(gm).items():
+        kc, vc = parts["k"], parts["v"]
         kv_heads, head_dim = kc.meta["val"].shape[2:]
         fake = scheme.allocate(1, page, kv_heads, head_dim, device="meta")
         with gm.meta["fake_mode"]:
             fakes = [torch.empty(t.shape, dtype=t.dtype) for t in fake.tensors()]
         kc.meta["val"], vc.meta["val"] = fakes[0], fakes[1]
-        ks = add_input(gm, f"k_scale_{layer}", fakes[2])
-        vs = add_input(gm, f"v_scale_{layer}", fakes[3])
-        layers[kc] = (kc, vc, ks, vs)
+        ks = sig.add(gm, f"k_scale_{layer}", fakes[2], Role.CACHE, layer, "k_scale")
+        vs = sig.add(gm, f"v_scale_{layer}", fakes[3], Role.CACHE, layer, "v_scale")
+        layers[kc] = (vc, ks, vs)
     matched = 0
     for node in list(g.nodes):
         if node.op != "call_function":
             continue
         if node.target == specgraph.cache_write.default:
             k, v, kc, vc, slots = node.args
-            _, _, ks, vs = layers[kc]
+            _, ks, vs = layers[kc]
             with g.inserting_before(node):
                 g.call_function(scheme.write_op.default, (k, v, kc, vc, ks, vs, slots))
             g.erase_node(node)
             matched += 1
         elif node.target == specgraph.paged_attention.default:
             q, kc, vc, *rest = node.args
-            _, _, ks, vs = layers[kc]
+            _, ks, vs = layers[kc]
             with g.inserting_before(node):
                 new = g.call_function(scheme.attention_op.default, (q, kc, vc, ks, vs, *rest))
             node.replace_all_uses_with(new)
             g.erase_node(node)
-    ctx.facts["kv_scheme"] = scheme
+    ctx.kv_scheme = scheme
     if "positions" in ctx.sample_inputs:
-        for kc, (_, _, ks, vs) in layers.items():
+        for kc, (vc, ks, vs) in layers.items():
             sample = ctx.sample_inputs[kc.name]
             num_blocks, _, kv_heads, head_dim = sample.shape
             cache = scheme.allocate(num_blocks, page, kv_heads, head_dim)
-            layer = kc.name.rsplit("_", 1)[1]
-            for name, t in zip((f"k_cache_{layer}", f"v_cache_{layer}", ks.name, vs.name), cache.tensors()):
+            for name, t in zip((kc.name, vc.name, ks.name, vs.name), cache.tensors()):
                 ctx.sample_inputs[name] = t
-    find_input(gm, "slot_mapping")  # the pass runs after paging
+    sig.input(gm, Role.SLOTS)  # the pass runs after paging
     refresh_meta(gm)
     return PassResult(matched=matched, info={"scheme": kind})

@@ -19,7 +19,8 @@ import torch
 import torch.fx as fx
 
 from ..compiler.passes import PassContext, PassResult
-from .graph_utils import add_input, fake_like, find_input, refresh_meta
+from ..compiler.signature import Role
+from .graph_utils import fake_like, refresh_meta
 
 specgraph = torch.ops.specgraph
 
@@ -38,9 +39,10 @@ def sample_paging(T: int, page_size: int, seed: int = 0) -> tuple[torch.Tensor, 
 def paging(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     g = gm.graph
     page = ctx.options.page_size
-    rows = find_input(gm, "cache_rows")
-    tables = add_input(gm, "block_tables", fake_like(gm, (1, 1), torch.int32))
-    slot_mapping = add_input(gm, "slot_mapping", find_input(gm, "positions").meta["val"].clone())
+    sig = ctx.signature
+    rows = sig.input(gm, Role.CACHE_ROWS)
+    tables = sig.add(gm, "block_tables", fake_like(gm, (1, 1), torch.int32), Role.BLOCK_TABLES)
+    slot_mapping = sig.add(gm, "slot_mapping", sig.input(gm, Role.POSITIONS).meta["val"].clone(), Role.SLOTS)
     matched = 0
     for node in list(g.nodes):
         if node.op != "call_function":
@@ -58,11 +60,9 @@ def paging(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
                                       (q, kc, vc, tables, seq_lens, qsl, pos, scale, *variant))
             node.replace_all_uses_with(new)
             g.erase_node(node)
-    if rows.users:
-        raise AssertionError(f"cache_rows still used by {list(rows.users)}")
-    g.erase_node(rows)
-    for kc, vc in ctx.facts.get("kv_caches", []):
-        for c in (kc, vc):
+    sig.remove(gm, rows)
+    for parts in sig.caches(gm).values():
+        for c in parts.values():
             val = c.meta["val"]
             c.meta["val"] = fake_like(gm, (1, page, *val.shape[2:]), val.dtype)
     if "positions" in ctx.sample_inputs:

@@ -19,7 +19,7 @@ import torch
 import torch.fx as fx
 
 from ..compiler.passes import PassContext, PassResult
-from .graph_utils import add_input
+from ..compiler.signature import Role
 
 aten = torch.ops.aten
 
@@ -33,7 +33,7 @@ def positions(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     ids_val = ids.meta["val"]
     if ids_val.shape[0] != 1:
         raise ValueError(f"decoder programs run one token stream [1, N]; the capture has batch {ids_val.shape[0]}")
-    pos = add_input(gm, "positions", ids_val[0].clone())
+    pos = ctx.signature.add(gm, "positions", ids_val[0].clone(), Role.POSITIONS)
     replaced = 0
     for src in analysis.position_sources:
         dtype = src.meta["val"].dtype
@@ -49,5 +49,4 @@ def positions(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     T = ctx.sample_inputs[ids.name].shape[1] if ids.name in ctx.sample_inputs else None
     if T is not None:
         ctx.sample_inputs["positions"] = torch.arange(T)
-    ctx.facts["positions"] = pos
     return PassResult(matched=replaced)

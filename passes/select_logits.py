@@ -16,7 +16,8 @@ import torch
 import torch.fx as fx
 
 from ..compiler.passes import PassContext, PassResult
-from .graph_utils import add_input, find_input, refresh_meta
+from ..compiler.signature import Role
+from .graph_utils import refresh_meta
 
 aten = torch.ops.aten
 
@@ -24,14 +25,14 @@ aten = torch.ops.aten
 def select_logits(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     logits = ctx.analysis.logits
     if logits.op != "call_function" or logits.target != aten.linear.default:
-        ctx.facts["selects_logits"] = False
         return PassResult(modified=False, info={"skipped": f"logits come from {logits.target}, not aten.linear"})
-    idx = add_input(gm, "logits_indices", find_input(gm, "positions").meta["val"].clone())
+    sig = ctx.signature
+    idx = sig.add(gm, "logits_indices", sig.input(gm, Role.POSITIONS).meta["val"].clone(), Role.LOGITS_INDICES)
     hidden = logits.args[0]
     with gm.graph.inserting_before(logits):
         picked = gm.graph.call_function(aten.index_select.default, (hidden, 1, idx))
     logits.update_arg(0, picked)
-    ctx.facts["selects_logits"] = True
+    ctx.selects_logits = True
     if "positions" in ctx.sample_inputs:
         ctx.sample_inputs["logits_indices"] = torch.arange(ctx.sample_inputs["positions"].numel())
     refresh_meta(gm)

@@ -83,3 +83,34 @@ def test_symbolic_shapes_in_meta():
     import sympy
 
     assert any(any(isinstance(d, sympy.Expr) and d.free_symbols for d in s) for s in shapes)
+
+
+def _adds_input(declare: bool):
+    """A user pass after paging that adds a runtime input (the mystery scale a decoder would need)."""
+    from specgraph.compiler.signature import Role
+    from specgraph.passes.graph_utils import add_input
+
+    @specgraph.graph_pass(before="cleanup")
+    def add_runtime_input(gm, ctx):
+        fake = ctx.signature.input(gm, Role.POSITIONS).meta["val"].clone()
+        if declare:
+            ctx.signature.add(gm, "extra_positions", fake, Role.POSITIONS)
+        else:
+            add_input(gm, "extra_positions", fake)
+        return PassResult(matched=1)
+
+    return add_runtime_input
+
+
+def test_an_undeclared_runtime_input_is_refused_not_frozen():
+    from specgraph.compiler.options import BackendOptions
+    from specgraph.compiler.program import compile_decoder
+    from specgraph.compiler.signature import SignatureError
+
+    with pytest.raises(SignatureError, match=r"\['extra_positions'\] have no declared role"):
+        compile_decoder(make_family("llama"), BackendOptions(page_size=8, passes=[_adds_input(False)],
+                                                             self_check=False))
+    # declared with a role, it is fed like the input of that role
+    program = compile_decoder(make_family("llama"), BackendOptions(page_size=8, passes=[_adds_input(True)],
+                                                                   self_check=False))
+    assert [s.role.value for s in program._inputs].count("positions") == 2
