@@ -1,11 +1,13 @@
 """Analysis of a captured decoder graph: where its tokens, positions, attention and logits are.
 
 Structural matching finds each attention site (``aten.scaled_dot_product_attention`` or the
-hand-written ``matmul -> scale -> mask -> softmax -> matmul`` chain); one sample run on a short
-input then *proves* the facts the KV-cache passes rely on instead of trusting the shape of the
-code: that each mask is exactly causal, and that the GQA expansion maps query head ``h`` to kv
-head ``h // (heads // kv_heads)``. A site that does not fit gets an
-:class:`UnsupportedAttentionError` naming the node and the pattern expected.
+hand-written ``matmul | baddbmm -> scale -> [soft cap] -> masks and biases -> softmax -> matmul``
+chain); then :func:`prove_sites` *proves* the facts the KV-cache passes rely on instead of trusting
+the shape of the code: each site's mask and bias are turned into formulas of the query and key
+index (``index_algebra.py``) and classified for every length (``attention_masks.py``: causal, a
+sliding window, ALiBi slopes), and one sample run checks that the GQA expansion maps query head
+``h`` to kv head ``h // (heads // kv_heads)``. A site that does not fit gets an
+:class:`UnsupportedAttentionError` naming the node and what it found.
 """
 from __future__ import annotations
 
@@ -226,7 +228,7 @@ def _manual_site(softmax: fx.Node, layer: int, algebra: IndexAlgebra) -> Attenti
         if x.target in (aten.masked_fill.Scalar, aten.masked_fill.Tensor):
             masks.append((x.args[1], "drop", x.args[2]))
             x = x.args[0]
-        elif x.target == aten.where.self:
+        elif x.target in (aten.where.self, aten.where.ScalarOther):
             masks.append((x.args[0], "keep", x.args[2]))
             x = x.args[1]
         elif x.target == aten.add.Tensor and all(isinstance(a, fx.Node) for a in x.args[:2]):
@@ -344,6 +346,9 @@ def _prove_mask(site: AttentionSite, algebra: IndexAlgebra) -> None:
             visible += [allowed(m) for m in masks]
             biases += bias
             continue
+        fill_value = algebra.value(fill) if isinstance(fill, fx.Node) else None
+        if isinstance(fill, fx.Node) and fill_value is not None and fill_value.expr.is_number:
+            fill = float(fill_value.expr)
         if fill is not None and not (isinstance(fill, (int, float)) and fill <= NEG_LARGE):
             raise MaskError(f"{node.name} fills masked scores with {fill}, not -inf")
         keep = formula if is_predicate(formula) else sympy.Ne(formula, 0)

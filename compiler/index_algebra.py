@@ -189,6 +189,8 @@ class IndexAlgebra:
         if node.op == "get_attr":
             t = self._concrete(node)
             return self._from_tensor(node, t) if t is not None else None
+        if node.op == "call_function" and isinstance(val, torch.SymInt):  # size arithmetic, e.g. T - 4
+            return IndexValue(val.node.expr, ())
         if node.op != "call_function" or not isinstance(val, torch.Tensor):
             return None
         shape = tuple(_size(d) for d in val.shape)

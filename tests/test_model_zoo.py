@@ -68,3 +68,21 @@ def test_zoo_model_is_exact_or_refused(name):
     got = engine.generate(prompt, max_new_tokens=16, ignore_eos=True)[0].token_ids
     assert got == uncached_greedy(model, prompt, 16), f"{name}: compiled but silently wrong"
     assert ZOO[name][3] == "exact", f"{name} is exact now: update the zoo table (and the README)"
+
+
+@pytest.mark.parametrize("name", ["bloom", "gemma2_window8"])
+def test_window_softcap_and_alibi_models_are_exact_through_the_generated_code(name):
+    """ALiBi (Bloom), soft-capping and alternating sliding-window layers (Gemma 2) through Inductor's
+    code and the native C++ kernels, not only the eager reference lowering."""
+    model = build(name)
+    vocab = model.get_output_embeddings().weight.shape[0]
+    prompt = torch.randint(0, vocab, (40,), generator=torch.Generator().manual_seed(7)).tolist()
+    engine = specgraph.Engine(model, num_blocks=16, page_size=16, lowering="inductor")
+    assert engine.program.wait_for_steps(timeout=600) and engine.program.step_error is None
+    sites = engine.program.compiled.context.analysis.sites
+    if name == "bloom":
+        assert all(s.alibi_slopes is not None for s in sites)
+    else:
+        assert [s.window for s in sites] == [8, 0] and all(s.softcap == 50.0 for s in sites)
+    got = engine.generate(prompt, max_new_tokens=16, ignore_eos=True)[0].token_ids
+    assert got == uncached_greedy(model, prompt, 16)
