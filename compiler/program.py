@@ -11,7 +11,7 @@ import atexit
 import dataclasses
 import threading
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple
 
 import torch

@@ -1,9 +1,9 @@
 """Compile-time self-check: the incremental program must compute what the cache-free graph computes.
 
-The analysis proves what it recognises (causal masks, GQA layouts) from the graph's structure
-and one sample run. Anything it cannot see (a mask that only differs from causal at longer
-lengths, positions derived in an unexpected way, a pass bug) would make the transformed program
-silently wrong. So after compiling, :func:`self_check` runs the program the way the engine does,
+The analysis proves what it recognises from the graph: each attention mask and bias for every
+length (from their construction), the GQA layout on one sample run. Anything it cannot see (tokens
+mixed outside attention, a value that depends on the step's length rather than the positions, a
+pass bug) would make the transformed program silently wrong. So after compiling, :func:`self_check` runs the program the way the engine does,
 on random token ids: two sequences in one stream, a prefill chunk, a second chunk, decode steps
 and a multi-token verify, through a paged cache with the sequences' blocks interleaved. After every
 step it compares the logits with the cache-free graph (as captured, before any cache pass) run on
