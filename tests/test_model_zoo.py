@@ -40,6 +40,8 @@ ZOO = {
     "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", GQA, "exact"),
     "bloom": ("BloomConfig", "BloomForCausalLM", dict(vocab_size=160, hidden_size=64, n_layer=2, n_head=4),
               "exact"),
+    "qwen2_window8": ("Qwen2Config", "Qwen2ForCausalLM", dict(GQA, use_sliding_window=True, sliding_window=8,
+                                                              max_window_layers=1), "exact"),
     "mistral_window8": ("MistralConfig", "MistralForCausalLM", dict(GQA, sliding_window=8), "exact"),
     "gemma2_window8": ("Gemma2Config", "Gemma2ForCausalLM", dict(GQA, head_dim=16, sliding_window=8), "exact"),
 }
@@ -86,3 +88,11 @@ def test_window_softcap_and_alibi_models_are_exact_through_the_generated_code(na
         assert [s.window for s in sites] == [8, 0] and all(s.softcap == 50.0 for s in sites)
     got = engine.generate(prompt, max_new_tokens=16, ignore_eos=True)[0].token_ids
     assert got == uncached_greedy(model, prompt, 16)
+
+
+@pytest.mark.parametrize("name, windows", [("mistral_window8", [8, 8]), ("qwen2_window8", [0, 8]),
+                                           ("gemma2_window8", [8, 0])])
+def test_each_layer_window_is_proved_from_its_mask(name, windows):
+    """Per-layer windows (HF's ``layer_types``) are read from each layer's mask construction."""
+    engine = specgraph.Engine(build(name), num_blocks=16, page_size=16)
+    assert [s.window for s in engine.program.compiled.context.analysis.sites] == windows
