@@ -17,12 +17,12 @@ from typing import Any, Callable, NamedTuple
 import torch
 import torch.fx as fx
 
-from .signature import CACHE_PARTS, Role, SignatureError
 from .analysis import pick_output
 from .backend import CompiledGraph, run_capture_pipeline
 from .lowering import lower
 from .options import BackendOptions
 from .pipeline import decoder_passes
+from .signature import CACHE_PARTS, Role, SignatureError
 
 
 @dataclass
@@ -154,7 +154,9 @@ class DecoderProgram:
     vocab_size: int
     page_size: int
     selects_logits: bool
+    logits_index: int = 0  # position of the logits among the graph's flattened outputs
     self_check_seconds: float | None = None  # time the compile-time self-check took (None: not run)
+    from_cache: bool = False  # loaded from the graph cache (no capture, no passes in this process)
 
     @property
     def gm(self) -> fx.GraphModule:
@@ -190,7 +192,7 @@ class DecoderProgram:
 
     def logits_of(self, out, meta: AttentionMetadata) -> torch.Tensor:
         """``[M, vocab]`` logits of the rows ``meta.logits_indices`` from the graph's raw output."""
-        logits = pick_output(out, self._logits_index)  # the model may also return caches, hidden states, ...
+        logits = pick_output(out, self.logits_index)  # the model may also return caches, hidden states, ...
         logits = logits.reshape(-1, logits.shape[-1])
         return logits if self.selects_logits else logits.index_select(0, meta.logits_indices)
 
@@ -293,7 +295,6 @@ class DecoderProgram:
 
     def __post_init__(self) -> None:
         context = self.compiled.context
-        self._logits_index = context.analysis.logits_index
         self._inputs = context.signature.validate(self.gm, RUNTIME_ROLES)  # each placeholder's role, in order
         self._device = next(iter(self.gm.parameters()), torch.empty(0)).device
         options = self.compiled.context.options
@@ -302,6 +303,31 @@ class DecoderProgram:
         self._compiling: threading.Thread | None = None  # a background compile_steps
         self.step_error: str | None = None
         self.step_plan = "eager lowering: op by op" if self.lowering == "eager" else "step graphs not compiled yet"
+
+
+    def cache_spec(self) -> dict:
+        """What :func:`cached_program` needs besides the graph (``graph_cache.py`` saves it)."""
+        ctx = self.compiled.context
+        return {"layers": [(s.kv_heads, s.head_dim, s.dtype) for s in self.layers], "vocab_size": self.vocab_size,
+                "page_size": self.page_size, "selects_logits": self.selects_logits,
+                "logits_index": self.logits_index, "self_check_seconds": self.self_check_seconds,
+                "signature": dict(ctx.signature.specs)}
+
+
+def cached_program(gm: fx.GraphModule, spec: dict, options: BackendOptions) -> DecoderProgram:
+    """A program over a graph loaded from the graph cache (``graph_cache.load``)."""
+    from ..kernels.quant import get_scheme
+    from .passes import PassContext
+    from .signature import DecoderSignature
+
+    scheme = get_scheme(options.kv_dtype) if options.kv_dtype in ("fp8", "int4") else None
+    context = PassContext(options=options, signature=DecoderSignature(dict(spec["signature"])), kv_scheme=scheme,
+                          selects_logits=spec["selects_logits"])
+    layers = [LayerCacheSpec(kv_heads, head_dim, dtype, scheme) for kv_heads, head_dim, dtype in spec["layers"]]
+    return DecoderProgram(compiled=CompiledGraph(None, gm, context, 0.0), layers=layers,
+                          vocab_size=spec["vocab_size"], page_size=spec["page_size"],
+                          selects_logits=spec["selects_logits"], logits_index=spec["logits_index"],
+                          self_check_seconds=spec["self_check_seconds"], from_cache=True)
 
 
 def _model_dtype(model: torch.nn.Module) -> torch.dtype:
@@ -314,6 +340,14 @@ def compile_decoder(model: torch.nn.Module, options: BackendOptions | None = Non
     """Capture ``model`` and run the full decoder pipeline (see module docstring); ``progress(stage)``
     is told when each stage starts."""
     options = options or BackendOptions()
+    from . import graph_cache
+
+    key = graph_cache.cache_key(model, options, example_len) if graph_cache.cache_dir() is not None else None
+    entry = graph_cache.load(key, model) if key is not None else None
+    if entry is not None:
+        if progress is not None:
+            progress("graph from the cache")
+        return cached_program(entry["gm"], entry["spec"], options)
     if progress is not None:
         progress("capture + passes")
     result: dict[str, CompiledGraph] = {}
@@ -343,6 +377,8 @@ def compile_decoder(model: torch.nn.Module, options: BackendOptions | None = Non
         if progress is not None:
             progress("self-check")
         program.self_check_seconds = self_check(program, options.kv_dtype)
+    if key is not None:
+        graph_cache.save(key, program, model)
     return program
 
 
@@ -357,4 +393,5 @@ def _program(compiled: CompiledGraph, options: BackendOptions) -> DecoderProgram
                              caches[s.layer]["k"].meta["val"].dtype, ctx.kv_scheme)
               for s in analysis.sites]
     return DecoderProgram(compiled=compiled, layers=layers, vocab_size=analysis.vocab_size,
-                          page_size=options.page_size, selects_logits=ctx.selects_logits)
+                          page_size=options.page_size, selects_logits=ctx.selects_logits,
+                          logits_index=analysis.logits_index)
