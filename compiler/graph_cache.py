@@ -50,7 +50,7 @@ def _weights_digest(model: torch.nn.Module) -> str:
     h = hashlib.blake2b(digest_size=16)
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
         h.update(f"{name}:{tuple(t.shape)}:{t.dtype}".encode())
-        h.update(t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes())
+        h.update(memoryview(t.detach().contiguous().cpu().view(torch.uint8).numpy()))  # no copy
     return h.hexdigest()
 
 
