@@ -366,7 +366,7 @@ def prove_sites(gm: fx.GraphModule, analysis: GraphAnalysis, algebra: IndexAlgeb
     for s in analysis.sites:
         try:
             _prove_mask(s, algebra)
-        except MaskError as e:
+        except (ValueError, TypeError) as e:  # MaskError, or a formula sympy cannot classify
             raise UnsupportedAttentionError(f"{s.output.name} ({s.kind}, layer {s.layer}): {e}") from None
     wanted = set()
     for s in analysis.sites:

@@ -72,6 +72,8 @@ def broadcast_to(v: IndexValue, shape: tuple) -> sympy.Basic:
     """``v``'s formula in the dims of ``shape`` (numpy broadcasting: dims aligned from the right, size-1 dims fixed
     at index 0)."""
     lead = len(shape) - v.rank
+    if lead < 0:
+        raise ValueError(f"a rank-{v.rank} mask does not broadcast to the rank-{len(shape)} scores")
     mapping = {}
     for k, size in enumerate(v.shape):
         mapping[k] = 0 if _is_one(size) and not _is_one(shape[k + lead]) else dim_symbol(k + lead)
@@ -121,6 +123,9 @@ class IndexAlgebra:
         return self._constants[node]
 
     def _compute_constant(self, node: fx.Node) -> torch.Tensor | None:
+        schema = getattr(node.target, "_schema", None)
+        if schema is not None and schema.is_mutable:
+            return None  # never run an op that writes (a buffer update) outside the model
         if node.op == "get_attr":
             obj = self.gm
             for part in node.target.split("."):
