@@ -12,7 +12,8 @@ this is the streaming cost, not a hot-cache microbenchmark). Layouts:
 Kernels: ``aten.linear`` (MKL sgemm on the plain weight), ``torch.mm(W, x.T)`` (the same GEMM
 transposed), MKL's packed GEMM (``mkl._mkl_linear``, what Inductor's freezing picks for float32
 with a static batch), and oneDNN over weights reordered once (``mkldnn._linear_pointwise``,
-what specgraph's CPU lowering uses). The median of ``--repeats`` steps is printed, plus the
+what specgraph's CPU lowering uses), and specgraph's C++ few-row linear (``specgraph_cpu::gemv``).
+The median of ``--repeats`` steps is printed, plus the
 weight bytes per ms it implies.
 """
 from __future__ import annotations
@@ -46,6 +47,11 @@ def make_kernels(weights: list[torch.Tensor]) -> dict[str, list]:
         packed = [torch.ops.mkldnn._reorder_linear_weight(w, 8) for w in weights]
         kernels["oneDNN packed"] = [lambda x, p=p: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
                                     for p in packed]
+    from specgraph.kernels import cpu_kernels
+
+    gemv = cpu_kernels.native_op("gemv")
+    if gemv is not None:
+        kernels["specgraph gemv"] = [lambda x, w=w: gemv(x, w, None) for w in weights]
     return kernels
 
 

@@ -32,7 +32,9 @@ the ``"cpp"`` implementation of ``specgraph::paged_attention`` (``registry.py``)
 (what compiled graphs call) runs it under the same test, variant included, and hands every other
 call, or an invalid variant, to ``specgraph::paged_attention``. The C++ source is compiled once
 per machine by ``torch.utils.cpp_extension.load_inline`` (cached in ``TORCH_EXTENSIONS_DIR``;
-20-60 s on 2 cores the first time). If it cannot be built the torch path runs and ``build_error()``
+20-60 s on 2 cores the first time), with ``-fopenmp``: ATen's ``at::parallel_for`` is OpenMP code
+inlined from its headers, and without the flag every kernel here ran on one thread (the few-row
+linear streamed SmolLM2's weights at 14 GB/s on 2 cores; with it, 21-27 GB/s). If it cannot be built the torch path runs and ``build_error()``
 says why. The pure-torch reference it is tested against is ``paged_attention.paged_attention_ref``.
 """
 from __future__ import annotations
@@ -251,21 +253,28 @@ static inline float hsum8(__m256 v) {
 template <int R>
 static void gemv_block(const float* x, const float* w, const float* b, float* y, int64_t K, int64_t N, int64_t n0,
                        int64_t n1) {
+  // accumulator chains per row: 4 for one row (32 floats per iteration), 2 each for two rows; enough
+  // independent FMAs to keep the loads of one weight stream in flight
+  constexpr int C = R == 1 ? 4 : 2;
   for (int64_t n = n0; n < n1; ++n) {
     const float* wr = w + n * K;
     float acc[R];
     int64_t k = 0;
 #if defined(__AVX2__) && defined(__FMA__)
-    __m256 a0[R], a1[R];
-    for (int r = 0; r < R; ++r) a0[r] = a1[r] = _mm256_setzero_ps();
-    for (; k + 16 <= K; k += 16) {
-      const __m256 w0 = _mm256_loadu_ps(wr + k), w1 = _mm256_loadu_ps(wr + k + 8);
-      for (int r = 0; r < R; ++r) {
-        a0[r] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + r * K + k), a0[r]);
-        a1[r] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + r * K + k + 8), a1[r]);
-      }
+    __m256 a[R][C];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) a[r][c] = _mm256_setzero_ps();
+    for (; k + 8 * C <= K; k += 8 * C) {
+      __m256 wv[C];
+      for (int c = 0; c < C; ++c) wv[c] = _mm256_loadu_ps(wr + k + 8 * c);
+      for (int r = 0; r < R; ++r)
+        for (int c = 0; c < C; ++c) a[r][c] = _mm256_fmadd_ps(wv[c], _mm256_loadu_ps(x + r * K + k + 8 * c), a[r][c]);
     }
-    for (int r = 0; r < R; ++r) acc[r] = hsum8(_mm256_add_ps(a0[r], a1[r]));
+    for (int r = 0; r < R; ++r) {
+      __m256 sum = a[r][0];
+      for (int c = 1; c < C; ++c) sum = _mm256_add_ps(sum, a[r][c]);
+      acc[r] = hsum8(sum);
+    }
 #else
     for (int r = 0; r < R; ++r) acc[r] = 0.f;
 #endif
@@ -381,7 +390,8 @@ def load():
                 _module = load_inline(
                     name=_EXTENSION, cpp_sources=[CPP_SOURCE],
                     functions=["paged_attention_short", "cache_write_rows", "attention_pays"],
-                    extra_cflags=["-O3", "-march=native", "-fopenmp-simd", "-ffast-math"], verbose=False)
+                    extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"], extra_ldflags=["-fopenmp"],
+                    verbose=False)
                 _register_native_fakes()
             except Exception as e:  # no compiler, no ninja, ...: the torch path still works
                 _error = f"{type(e).__name__}: {e}"
