@@ -61,17 +61,17 @@ def paging(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             node.replace_all_uses_with(new)
             g.erase_node(node)
     sig.remove(gm, rows)
-    for parts in sig.caches(gm).values():
-        for c in parts.values():
-            val = c.meta["val"]
-            c.meta["val"] = fake_like(gm, (1, page, *val.shape[2:]), val.dtype)
+    caches = [c for parts in sig.caches(gm).values() for c in parts.values()]
+    for c in caches:
+        val = c.meta["val"]
+        c.meta["val"] = fake_like(gm, (1, page, *val.shape[2:]), val.dtype)
     if "positions" in ctx.sample_inputs:
         T = int(ctx.sample_inputs["positions"].numel())
         table, slots, num_blocks = sample_paging(T, page)
         ctx.sample_inputs.pop("cache_rows", None)
         ctx.sample_inputs.update(block_tables=table, slot_mapping=slots)
-        for name, value in list(ctx.sample_inputs.items()):
-            if name.startswith(("k_cache_", "v_cache_")):
-                ctx.sample_inputs[name] = value.new_zeros(num_blocks, page, *value.shape[2:])
+        for c in caches:
+            value = ctx.sample_inputs[c.name]
+            ctx.sample_inputs[c.name] = value.new_zeros(num_blocks, page, *value.shape[2:])
     refresh_meta(gm)
     return PassResult(matched=matched)
