@@ -2,8 +2,10 @@
 
 ``compile_decoder(model)`` captures ``model`` (token ids ``[1, T]`` -> logits) through Dynamo
 with a symbolic sequence length, runs the full pass pipeline (positions, kv_cache, paging,
-cleanup, select_logits) and wraps the resulting graph. One call of the program runs any mix of
-prefill chunks and decodes of several sequences; what differs is only :class:`AttentionMetadata`.
+cleanup, select_logits) and wraps the resulting graph; a later process loads that graph from the
+graph cache (``graph_cache.py``) instead. The program feeds each graph input by its declared role
+(``signature.py``). One call runs any mix of prefill chunks and decodes of several sequences; what
+differs is only :class:`AttentionMetadata`.
 """
 from __future__ import annotations
 
@@ -303,7 +305,6 @@ class DecoderProgram:
         self._compiling: threading.Thread | None = None  # a background compile_steps
         self.step_error: str | None = None
         self.step_plan = "eager lowering: op by op" if self.lowering == "eager" else "step graphs not compiled yet"
-
 
     def cache_spec(self) -> dict:
         """What :func:`cached_program` needs besides the graph (``graph_cache.py`` saves it)."""
