@@ -278,20 +278,19 @@ class StepGraphs:
         gm = copy_graph_module(self._base)
         if key != "dynamic" and self.bucket_linears == "gemv":
             bind_gemv(gm)
-        if key == "dynamic":
-            fake_mode, examples = _symbolic_inputs(inputs, self._roles)
-            with torch._guards.tracing(torch._guards.TracingContext(fake_mode)):
-                compiled = compile_graph(gm, examples, self.lowering, self.dump_dir, name)
-        else:
-            compiled = compile_graph(gm, inputs, self.lowering, self.dump_dir, name)
+        # fakes under our own shape env for both kinds: a scalar the model lifted to an input (a norm's
+        # epsilon) is read with .item(), which a fake mode without a shape env refuses
+        fake_mode, examples = _symbolic_inputs(inputs, self._roles, dynamic=key == "dynamic")
+        with torch._guards.tracing(torch._guards.TracingContext(fake_mode)):
+            compiled = compile_graph(gm, examples, self.lowering, self.dump_dir, name)
         self.compiles += 1
         self.compile_seconds += time.perf_counter() - t0
         return compiled
 
 
-def _symbolic_inputs(inputs: list, roles: list[Role]):
+def _symbolic_inputs(inputs: list, roles: list[Role], dynamic: bool = True):
     """Fake example inputs whose stream sizes (tokens, sequences, logit rows, table width) are
-    distinct symbols, every other size static."""
+    distinct symbols, every other size static (all static when not ``dynamic``)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 
@@ -301,8 +300,8 @@ def _symbolic_inputs(inputs: list, roles: list[Role]):
         if not isinstance(value, torch.Tensor):
             examples.append(value)
             continue
-        dynamic = range(value.dim()) if role in _STREAM_ROLES else (1,) if role == Role.TOKENS else ()
-        sizes = [DimDynamic.DYNAMIC if d in dynamic else DimDynamic.STATIC for d in range(value.dim())]
+        symbolic = range(value.dim()) if role in _STREAM_ROLES else (1,) if role == Role.TOKENS else ()
+        sizes = [DimDynamic.DYNAMIC if dynamic and d in symbolic else DimDynamic.STATIC for d in range(value.dim())]
         examples.append(fake_mode.from_tensor(value, symbolic_context=StatelessSymbolicContext(dynamic_sizes=sizes)))
     return fake_mode, examples
 
