@@ -87,6 +87,46 @@ def test_inductor_engine_equals_reference_and_never_recompiles(family, tmp_path)
     assert "torch.ops.specgraph_cpu.cache_write.default" in code
     index = json.loads((tmp_path / "inductor_dynamic_index.json").read_text())
     assert any("specgraph_cpu.paged_attention" in k for kernels in index.values() for k in kernels)
+    for b in engine.program._steps.buckets:  # decode buckets: a C++ wrapper calls the same native ops
+        code = (tmp_path / f"inductor_bucket{b}.py").read_text()
+        assert "aoti_torch_call_dispatcher(\"specgraph_cpu::paged_attention\"" in code
+        index = json.loads((tmp_path / f"inductor_bucket{b}_index.json").read_text())
+        assert any(k.startswith("cpp_fused_") for kernels in index.values() for k in kernels)
+        assert any(k == "specgraph_cpu.cache_write" for kernels in index.values() for k in kernels)
+
+
+_PY_CPU = """
+    cpp_fused_norm_0(arg0_1, buf0)
+    # Topologically Sorted Source Nodes: [embedding, rsqrt, linear], Original ATen: [aten.embedding]
+    buf1 = torch.ops.specgraph_cpu.gemv.default(buf0, _frozen_param1, None)
+"""
+_CPP_WRAPPER = """
+extern "C"  void  cpp_fused_norm_0(const int64_t* in_ptr0,
+    cpp_fused_norm_0((const int64_t*)(arg0_1.data_ptr()), (float*)(buf0.data_ptr()));
+    // Topologically Sorted Source Nodes: [embedding, rsqrt, linear], Original ATen: [aten.embedding]
+            aoti_torch_call_dispatcher("specgraph_cpu::gemv", "", dispatch_vars.data())
+    assert_size_stride(buf1, {1L, 960L}, {960L, 1L}, "torch.ops.specgraph_cpu.gemv.default");
+"""
+_TRITON = """
+    # Topologically Sorted Source Nodes: [embedding, rsqrt], Original ATen: [aten.embedding]
+    triton_per_fused_norm_0.run(arg0_1, buf0, 64, stream=stream0)
+    # Topologically Sorted Source Nodes: [linear], Original ATen: [aten.mm]
+    extern_kernels.mm(buf0, _frozen_param1, out=buf1)
+"""
+
+
+@pytest.mark.parametrize("code, kernel, extern", [(_PY_CPU, "cpp_fused_norm_0", "torch.ops.specgraph_cpu.gemv.default"),
+                                                  (_CPP_WRAPPER, "cpp_fused_norm_0", "specgraph_cpu.gemv"),
+                                                  (_TRITON, "triton_per_fused_norm_0", "extern_kernels.mm")])
+def test_kernel_index_reads_each_wrapper_style(code, kernel, extern):
+    """A CPU kernel is listed under the next comment (Inductor comments its extern call after it), a
+    Triton kernel under the comment before it; definitions and size checks are not calls."""
+    from specgraph.compiler.inductor import kernel_index
+
+    index = kernel_index(code)
+    assert kernel in index["embedding"] and kernel in index["rsqrt"]
+    assert extern in index["linear"]
+    assert all(k.count(kernel) <= 1 for k in [index["embedding"]])
 
 
 @pytest.mark.parametrize("kv_dtype", ["bfloat16", "fp8", "int4"])
