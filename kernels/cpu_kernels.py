@@ -57,6 +57,70 @@ CPP_SOURCE = r"""
 #include <cstring>
 #include <type_traits>
 #include <vector>
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define SPECGRAPH_AVX2 1
+static inline float hsum8(__m256 v) {
+  __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  lo = _mm_hadd_ps(lo, lo);
+  lo = _mm_hadd_ps(lo, lo);
+  return _mm_cvtss_f32(lo);
+}
+#endif
+
+// a . b over D floats (two FMA chains when D is a multiple of 16)
+static inline float dot_f32(const float* a, const float* b, int64_t D) {
+#ifdef SPECGRAPH_AVX2
+  if (D % 16 == 0) {
+    __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d += 16) {
+      s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), s0);
+      s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d + 8), _mm256_loadu_ps(b + d + 8), s1);
+    }
+    return hsum8(_mm256_add_ps(s0, s1));
+  }
+#endif
+  float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+  for (int64_t d = 0; d < D; ++d) dot += a[d] * b[d];
+  return dot;
+}
+
+// out[0 .. D) = sum_i p[i] * rows[off[i] .. off[i] + D): the sum is kept in registers, 64 floats at
+// a time, and stored once (not loaded and stored again for every row)
+static inline void weighted_rows(float* out, const float* p, const float* rows, const int64_t* off, int64_t n,
+                                 int64_t D) {
+#ifdef SPECGRAPH_AVX2
+  if (D % 8 == 0) {
+    for (int64_t d0 = 0; d0 < D; d0 += 64) {
+      const int64_t nc = std::min<int64_t>(8, (D - d0) / 8);
+      __m256 acc[8];
+      for (int c = 0; c < 8; ++c) acc[c] = _mm256_setzero_ps();
+      if (nc == 8) {
+        for (int64_t i = 0; i < n; ++i) {
+          const __m256 pb = _mm256_set1_ps(p[i]);
+          const float* r = rows + off[i] + d0;
+          for (int c = 0; c < 8; ++c) acc[c] = _mm256_fmadd_ps(pb, _mm256_loadu_ps(r + 8 * c), acc[c]);
+        }
+      } else {
+        for (int64_t i = 0; i < n; ++i) {
+          const __m256 pb = _mm256_set1_ps(p[i]);
+          const float* r = rows + off[i] + d0;
+          for (int64_t c = 0; c < nc; ++c) acc[c] = _mm256_fmadd_ps(pb, _mm256_loadu_ps(r + 8 * c), acc[c]);
+        }
+      }
+      for (int64_t c = 0; c < nc; ++c) _mm256_storeu_ps(out + d0 + 8 * c, acc[c]);
+    }
+    return;
+  }
+#endif
+  std::fill(out, out + D, 0.f);
+  for (int64_t i = 0; i < n; ++i) {
+    const float* r = rows + off[i];
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) out[d] += p[i] * r[d];
+  }
+}
 
 // k, v [N, KVH, D] contiguous; k_cache, v_cache [num_blocks, P, KVH, D] contiguous, same dtype;
 // slot_mapping [N] int64: row i goes to flat slot slot_mapping[i]; slots < 0 are skipped.
@@ -85,9 +149,10 @@ void cache_write_rows(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, t
 // with a sliding window (window > 0) lo = max(0, p - window + 1). The variant (paged_attention.py,
 // "variant"): score = scale * q.k, then softcap * tanh(score / softcap) when softcap > 0, then plus
 // alibi_slopes[head] * (j - p) when slopes (float32 [H]) are given; softmax over the visible keys.
-// One work item per sequence: each cached K/V row (all kv heads, contiguous) in the union of its
-// tokens' visible ranges is read once and used by every query token and head that sees it; keys
-// before that union are never touched (a windowed decode reads `window` keys at any context).
+// One work item per (sequence, kv head): each cached K/V row of that head in the union of the
+// sequence's visible ranges is read once and used by every query token and head of its group that
+// sees it; keys before that union are never touched (a windowed decode reads `window` keys at any
+// context). Items per kv head let one sequence's decode use every thread.
 torch::Tensor paged_attention_short(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                     torch::Tensor block_tables, torch::Tensor seq_lens,
                                     torch::Tensor query_start_loc, torch::Tensor positions, double scale,
@@ -115,10 +180,11 @@ torch::Tensor paged_attention_short(torch::Tensor q, torch::Tensor k_cache, torc
   const float sc = static_cast<float>(scale);
   const float cap = static_cast<float>(softcap), inv_cap = softcap > 0.0 ? static_cast<float>(1.0 / softcap) : 0.f;
   const int64_t row = KVH * D;  // floats per cache slot
-  at::parallel_for(0, S, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, S * KVH, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
-    std::vector<int64_t> lo, hi;
-    for (int64_t s = begin; s < end; ++s) {
+    std::vector<int64_t> lo, hi, off;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t s = item / KVH, kvh = item % KVH, h0 = kvh * G;  // query heads h0 .. h0 + G - 1
       const int64_t t0 = std::max<int64_t>(qsl[s], 0), t1 = std::min<int64_t>(qsl[s + 1], N);
       const int64_t T = t1 - t0;
       if (T <= 0) continue;
@@ -138,7 +204,7 @@ torch::Tensor paged_attention_short(torch::Tensor q, torch::Tensor k_cache, torc
       if (k1 == 0) continue;  // no visible key (bad input): output 0, as the other kernels do
       TORCH_CHECK(k1 <= MB * P, "sequence ", s, " has ", k1, " visible keys but its block table row holds ",
                   MB * P, " slots");
-      const int64_t nk = k1 - k0;  // score columns per (token, head): keys k0 .. k1 - 1
+      const int64_t nk = k1 - k0;  // score columns per (token, head of the group): keys k0 .. k1 - 1
       const int32_t* table = bt + s * MB;
       for (int64_t b = k0 / P; b < (k1 + P - 1) / P; ++b)
         TORCH_CHECK(table[b] >= 0 && table[b] < num_blocks, "block_tables[", s, ", ", b, "] = ", table[b],
@@ -147,28 +213,26 @@ torch::Tensor paged_attention_short(torch::Tensor q, torch::Tensor k_cache, torc
       auto attend = [&](auto windowed) {
         constexpr bool W = decltype(windowed)::value;
         const int64_t kb = W ? k0 : 0;
-        // scores[(t * H + head) * nk + j - kb]
-        scores.assign(T * H * nk, 0.f);
+        // cache offsets (floats) of this kv head's row of keys kb .. k1 - 1
+        off.resize(k1 - kb);
+        for (int64_t j = kb; j < k1; ++j)
+          off[j - kb] = (static_cast<int64_t>(table[j / P]) * P + j % P) * row + kvh * D;
+        // scores[(t * G + g) * nk + j - kb] for query head h0 + g; each key row read once
+        scores.assign(T * G * nk, 0.f);
         for (int64_t j = kb; j < k1; ++j) {
-          const float* kr = kp + (static_cast<int64_t>(table[j / P]) * P + j % P) * row;
+          const float* kh = kp + off[j - kb];
           for (int64_t t = 0; t < T; ++t) {
             if (j >= hi[t] || (W && j < lo[t])) continue;
-            const float* qt = qp + (t0 + t) * H * D;
-            for (int64_t head = 0; head < H; ++head) {
-              const float* qh = qt + head * D;
-              const float* kh = kr + (head / G) * D;
-              float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-              for (int64_t d = 0; d < D; ++d) dot += qh[d] * kh[d];
-              scores[(t * H + head) * nk + j - kb] = dot * sc;
-            }
+            const float* qt = qp + ((t0 + t) * H + h0) * D;
+            for (int64_t g = 0; g < G; ++g) scores[(t * G + g) * nk + j - kb] = dot_f32(qt + g * D, kh, D) * sc;
           }
         }
         for (int64_t t = 0; t < T; ++t) {
           const int64_t n = hi[t] - lo[t];
           if (n <= 0) continue;
-          for (int64_t head = 0; head < H; ++head) {
-            float* sg = scores.data() + (t * H + head) * nk + (lo[t] - kb);  // sg[i]: key lo[t] + i
+          for (int64_t g = 0; g < G; ++g) {
+            const int64_t head = h0 + g;
+            float* sg = scores.data() + (t * G + g) * nk + (lo[t] - kb);  // sg[i]: key lo[t] + i
             if (cap > 0.f) {
 #pragma omp simd
               for (int64_t i = 0; i < n; ++i) sg[i] = cap * tanhf(sg[i] * inv_cap);
@@ -187,20 +251,8 @@ torch::Tensor paged_attention_short(torch::Tensor q, torch::Tensor k_cache, torc
             }
             const float inv = 1.f / sum;
             for (int64_t i = 0; i < n; ++i) sg[i] *= inv;
-          }
-        }
-        for (int64_t j = kb; j < k1; ++j) {
-          const float* vr = vp + (static_cast<int64_t>(table[j / P]) * P + j % P) * row;
-          for (int64_t t = 0; t < T; ++t) {
-            if (j >= hi[t] || (W && j < lo[t])) continue;
-            float* ot = op + (t0 + t) * H * D;
-            for (int64_t head = 0; head < H; ++head) {
-              const float p = scores[(t * H + head) * nk + j - kb];
-              const float* vh = vr + (head / G) * D;
-              float* oh = ot + head * D;
-#pragma omp simd
-              for (int64_t d = 0; d < D; ++d) oh[d] += p * vh[d];
-            }
+            // the token's visible keys are one range: its output is their V rows weighted
+            weighted_rows(op + ((t0 + t) * H + head) * D, sg, vp, off.data() + (lo[t] - kb), n, D);
           }
         }
       };
@@ -240,16 +292,6 @@ bool attention_pays(torch::Tensor seq_lens, torch::Tensor query_start_loc) {
 // Few-row linear: y[m, n] = x[m, :] . w[n, :] (+ b[n]) for float32 x [..., K] and w [N, K] (both
 // contiguous), the weights streamed once for every two rows of x. Each thread owns a contiguous
 // range of output rows (one sequential stream through the weights).
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-static inline float hsum8(__m256 v) {
-  __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  lo = _mm_hadd_ps(lo, lo);
-  lo = _mm_hadd_ps(lo, lo);
-  return _mm_cvtss_f32(lo);
-}
-#endif
-
 template <int R>
 static void gemv_block(const float* x, const float* w, const float* b, float* y, int64_t K, int64_t N, int64_t n0,
                        int64_t n1) {
