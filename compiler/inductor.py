@@ -142,7 +142,9 @@ def choose_buckets(gm: fx.GraphModule, device: torch.device) -> StepPlan:
     (more bytes than any CPU cache: timing one small matrix again and again measures the cache, and
     once picked a library 1.35x slower on the real step) and compiles a static graph for 1-token
     steps only when MKL or the C++ kernel beats oneDNN at 2 rows (the dynamic graph pads a decode
-    to 2 rows; a memory-bound GEMV costs about the same for 1 and 2)."""
+    to 2 rows; a memory-bound GEMV costs about the same for 1 and 2). When the C++ kernel wins that
+    and also beats oneDNN at 8 rows (its tiled path), a second static graph serves steps of 2 to 8
+    tokens: batched decodes and short verifies."""
     if device.type == "cuda":
         return StepPlan(CUDA_BUCKETS, "inductor", f"CUDA: static graphs for {CUDA_BUCKETS} tokens, the dynamic "
                                                   "graph above")
@@ -162,11 +164,15 @@ def choose_buckets(gm: fx.GraphModule, device: torch.device) -> StepPlan:
     times = _time_linears(weights)
     line = (f"few-row GEMMs over {total / 2**20:.0f} MiB of the model's weights: "
             + ", ".join(f"{name} {t * 1e3:.2f} ms" for name, t in times.items()))
-    best = min(times, key=times.get)
+    single = {name: t for name, t in times.items() if "8 rows" not in name}
+    best = min(single, key=single.get)
     if best == "oneDNN (2 rows)" or times[best] > 0.95 * times["oneDNN (2 rows)"]:
         return StepPlan((), "inductor", line + " -> decodes run the dynamic graph (oneDNN)")
-    linears = "gemv" if best.startswith("specgraph") else "inductor"
-    return StepPlan((1,), linears, line + f" -> a static graph for 1-token steps ({best})")
+    if not best.startswith("specgraph"):
+        return StepPlan((1,), "inductor", line + f" -> a static graph for 1-token steps ({best})")
+    if times.get("specgraph gemv (8 rows)", float("inf")) < 0.95 * times["oneDNN (8 rows)"]:
+        return StepPlan((1, 8), "gemv", line + " -> static graphs for steps of 1 and of up to 8 tokens (specgraph gemv)")
+    return StepPlan((1,), "gemv", line + f" -> a static graph for 1-token steps ({best})")
 
 
 def _time_linears(weights: list[torch.Tensor], repeats: int = 5) -> dict[str, float]:
@@ -174,16 +180,21 @@ def _time_linears(weights: list[torch.Tensor], repeats: int = 5) -> dict[str, fl
     candidates interleaved so that load swings hit all of them."""
     from ..kernels import cpu_kernels
 
-    x = {rows: {w.shape[1]: torch.randn(rows, w.shape[1]) for w in weights} for rows in (1, 2)}
+    x = {rows: {w.shape[1]: torch.randn(rows, w.shape[1]) for w in weights} for rows in (1, 2, 8)}
     dnn = [(w, torch.ops.mkldnn._reorder_linear_weight(w, 2)) for w in weights]
-    runs = {"oneDNN (2 rows)": lambda: [torch.ops.mkldnn._linear_pointwise(x[2][w.shape[1]], p, None, "none", [], "")
-                                        for w, p in dnn]}
+
+    def onednn(rows: int):
+        return lambda: [torch.ops.mkldnn._linear_pointwise(x[rows][w.shape[1]], p, None, "none", [], "")
+                        for w, p in dnn]
+
+    runs = {"oneDNN (2 rows)": onednn(2), "oneDNN (8 rows)": onednn(8)}
     if torch._C.has_mkl:
         mkl = [(w, torch.ops.mkl._mkl_reorder_linear_weight(w, 1)) for w in weights]
         runs["MKL (1 row)"] = lambda: [torch.ops.mkl._mkl_linear(x[1][w.shape[1]], p, w, None, 1) for w, p in mkl]
     gemv = cpu_kernels.native_op("gemv")
     if gemv is not None:
         runs["specgraph gemv (1 row)"] = lambda: [gemv(x[1][w.shape[1]], w, None) for w in weights]
+        runs["specgraph gemv (8 rows)"] = lambda: [gemv(x[8][w.shape[1]], w, None) for w in weights]
     best = {name: float("inf") for name in runs}
     with torch.no_grad():
         for fn in runs.values():  # warm-up
@@ -246,7 +257,8 @@ class StepGraphs:
 
         self._table_width = table_width
         shapes = [(f"bucket {b}", StepShape(b, b, b, table_width)) for b in self.buckets]
-        shapes.append(("dynamic", StepShape(7, 3, 5, 4)))  # distinct sizes: none may be taken for another
+        # distinct sizes (none may be taken for another), more tokens than any bucket holds
+        shapes.append(("dynamic", StepShape(max(self.buckets, default=0) + 7, 3, 5, 4)))
         for i, (name, shape) in enumerate(shapes):
             if progress is not None:
                 progress(f"step graph {i + 1}/{len(shapes)} ({name}, {self.lowering})")
