@@ -175,7 +175,7 @@ def choose_buckets(gm: fx.GraphModule, device: torch.device) -> StepPlan:
     return StepPlan((1,), "gemv", line + f" -> a static graph for 1-token steps ({best})")
 
 
-def _time_linears(weights: list[torch.Tensor], repeats: int = 5) -> dict[str, float]:
+def _time_linears(weights: list[torch.Tensor], repeats: int = 7) -> dict[str, float]:
     """Seconds for one pass over ``weights`` per candidate, each the best of ``repeats``, the
     candidates interleaved so that load swings hit all of them."""
     from ..kernels import cpu_kernels
