@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 import torch.fx as fx
 
+from ..passes.graph_utils import attr_value
 from .options import BackendOptions
 
 FORMAT = 1  # bump when an entry's layout changes
@@ -69,13 +70,6 @@ def cache_key(model: torch.nn.Module, options: BackendOptions, example_len: int)
     return hashlib.blake2b("\n".join(parts).encode(), digest_size=20).hexdigest()
 
 
-def _tensor_of(root: torch.nn.Module, target: str) -> torch.Tensor:
-    obj = root
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
 def save(key: str, program, model: torch.nn.Module) -> Path | None:
     """Write ``program``'s entry (returns its folder; None if the cache is off)."""
     folder = cache_dir()
@@ -89,7 +83,7 @@ def save(key: str, program, model: torch.nn.Module) -> Path | None:
     for node in program.gm.graph.nodes:
         if node.op != "get_attr":
             continue
-        t = _tensor_of(program.gm, node.target)
+        t = attr_value(program.gm, node.target)
         name = model_tensors.get((t.data_ptr(), tuple(t.shape), t.dtype))
         attrs[node.target] = ("model", name) if name is not None else ("own", t.detach().cpu())
     entry = {"code": program.gm.code, "attrs": attrs, "spec": program.cache_spec()}
