@@ -1,0 +1,417 @@
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define SPECGRAPH_AVX2 1
+static inline float hsum8(__m256 v) {
+  __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  lo = _mm_hadd_ps(lo, lo);
+  lo = _mm_hadd_ps(lo, lo);
+  return _mm_cvtss_f32(lo);
+}
+#endif
+
+// a . b over D floats (two FMA chains when D is a multiple of 16)
+static inline float dot_f32(const float* a, const float* b, int64_t D) {
+#ifdef SPECGRAPH_AVX2
+  if (D % 16 == 0) {
+    __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d += 16) {
+      s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), s0);
+      s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d + 8), _mm256_loadu_ps(b + d + 8), s1);
+    }
+    return hsum8(_mm256_add_ps(s0, s1));
+  }
+#endif
+  float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+  for (int64_t d = 0; d < D; ++d) dot += a[d] * b[d];
+  return dot;
+}
+
+// out[0 .. D) = sum_i p[i] * rows[off[i] .. off[i] + D): the sum is kept in registers, 64 floats at
+// a time, and stored once (not loaded and stored again for every row)
+static inline void weighted_rows(float* out, const float* p, const float* rows, const int64_t* off, int64_t n,
+                                 int64_t D) {
+#ifdef SPECGRAPH_AVX2
+  if (D % 8 == 0) {
+    for (int64_t d0 = 0; d0 < D; d0 += 64) {
+      const int64_t nc = std::min<int64_t>(8, (D - d0) / 8);
+      __m256 acc[8];
+      for (int c = 0; c < 8; ++c) acc[c] = _mm256_setzero_ps();
+      if (nc == 8) {
+        for (int64_t i = 0; i < n; ++i) {
+          const __m256 pb = _mm256_set1_ps(p[i]);
+          const float* r = rows + off[i] + d0;
+          for (int c = 0; c < 8; ++c) acc[c] = _mm256_fmadd_ps(pb, _mm256_loadu_ps(r + 8 * c), acc[c]);
+        }
+      } else {
+        for (int64_t i = 0; i < n; ++i) {
+          const __m256 pb = _mm256_set1_ps(p[i]);
+          const float* r = rows + off[i] + d0;
+          for (int64_t c = 0; c < nc; ++c) acc[c] = _mm256_fmadd_ps(pb, _mm256_loadu_ps(r + 8 * c), acc[c]);
+        }
+      }
+      for (int64_t c = 0; c < nc; ++c) _mm256_storeu_ps(out + d0 + 8 * c, acc[c]);
+    }
+    return;
+  }
+#endif
+  std::fill(out, out + D, 0.f);
+  for (int64_t i = 0; i < n; ++i) {
+    const float* r = rows + off[i];
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) out[d] += p[i] * r[d];
+  }
+}
+
+// k, v [N, KVH, D] contiguous; k_cache, v_cache [num_blocks, P, KVH, D] contiguous, same dtype;
+// slot_mapping [N] int64: row i goes to flat slot slot_mapping[i]; slots < 0 are skipped.
+void cache_write_rows(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
+                      torch::Tensor slot_mapping) {
+  const int64_t N = k.size(0);
+  const int64_t slots = k_cache.size(0) * k_cache.size(1);
+  const int64_t row_bytes = k.size(1) * k.size(2) * k.element_size();
+  const int64_t* sm = slot_mapping.data_ptr<int64_t>();
+  const char* kp = static_cast<const char*>(k.data_ptr());
+  const char* vp = static_cast<const char*>(v.data_ptr());
+  char* kc = static_cast<char*>(k_cache.data_ptr());
+  char* vc = static_cast<char*>(v_cache.data_ptr());
+  for (int64_t i = 0; i < N; ++i) {
+    const int64_t slot = sm[i];
+    if (slot < 0) continue;
+    TORCH_CHECK(slot < slots, "slot_mapping[", i, "] = ", slot, " is outside the cache's ", slots, " slots");
+    std::memcpy(kc + slot * row_bytes, kp + i * row_bytes, row_bytes);
+    std::memcpy(vc + slot * row_bytes, vp + i * row_bytes, row_bytes);
+  }
+}
+
+// q [N, H, D], k_cache/v_cache [num_blocks, P, KVH, D] (float32, contiguous), block_tables [S, MB]
+// int32, seq_lens [S] int32, query_start_loc [S + 1] int32, positions [N] int64 -> out [N, H, D].
+// Token i (position p) of sequence s sees keys lo .. hi - 1: hi = min(p + 1, seq_lens[s]), lo = 0, or
+// with a sliding window (window > 0) lo = max(0, p - window + 1). The variant (paged_attention.py,
+// "variant"): score = scale * q.k, then softcap * tanh(score / softcap) when softcap > 0, then plus
+// alibi_slopes[head] * (j - p) when slopes (float32 [H]) are given; softmax over the visible keys.
+// One work item per (sequence, kv head): each cached K/V row of that head in the union of the
+// sequence's visible ranges is read once and used by every query token and head of its group that
+// sees it; keys before that union are never touched (a windowed decode reads `window` keys at any
+// context). Items per kv head let one sequence's decode use every thread.
+torch::Tensor paged_attention_short(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                    torch::Tensor block_tables, torch::Tensor seq_lens,
+                                    torch::Tensor query_start_loc, torch::Tensor positions, double scale,
+                                    int64_t window, double softcap, c10::optional<torch::Tensor> alibi_slopes) {
+  const int64_t N = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t P = k_cache.size(1), KVH = k_cache.size(2), num_blocks = k_cache.size(0);
+  const int64_t G = H / KVH, S = seq_lens.size(0), MB = block_tables.size(1);
+  TORCH_CHECK(window >= 0 && softcap >= 0.0, "window and softcap must be >= 0; got ", window, " and ", softcap);
+  const float* slopes = nullptr;
+  if (alibi_slopes.has_value()) {
+    TORCH_CHECK(alibi_slopes->scalar_type() == torch::kFloat && alibi_slopes->dim() == 1 &&
+                alibi_slopes->size(0) == H && alibi_slopes->is_contiguous() && alibi_slopes->device().is_cpu(),
+                "alibi_slopes must be a contiguous float32 CPU tensor [num_heads=", H, "]");
+    slopes = alibi_slopes->data_ptr<float>();
+  }
+  auto out = torch::zeros({N, H, D}, q.options());
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k_cache.data_ptr<float>();
+  const float* vp = v_cache.data_ptr<float>();
+  const int32_t* bt = block_tables.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  float* op = out.data_ptr<float>();
+  const float sc = static_cast<float>(scale);
+  const float cap = static_cast<float>(softcap), inv_cap = softcap > 0.0 ? static_cast<float>(1.0 / softcap) : 0.f;
+  const int64_t row = KVH * D;  // floats per cache slot
+  at::parallel_for(0, S * KVH, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    std::vector<int64_t> lo, hi, off;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t s = item / KVH, kvh = item % KVH, h0 = kvh * G;  // query heads h0 .. h0 + G - 1
+      const int64_t t0 = std::max<int64_t>(qsl[s], 0), t1 = std::min<int64_t>(qsl[s + 1], N);
+      const int64_t T = t1 - t0;
+      if (T <= 0) continue;
+      lo.assign(T, 0);
+      hi.assign(T, 0);
+      // the keys the step reads: [k0, k1), the union of the tokens' visible ranges
+      int64_t k0 = INT64_MAX, k1 = 0;
+      for (int64_t t = 0; t < T; ++t) {
+        const int64_t p = pos[t0 + t];
+        hi[t] = std::max<int64_t>(std::min<int64_t>(p + 1, lens[s]), 0);
+        if (window > 0) lo[t] = std::min(std::max<int64_t>(p - window + 1, 0), hi[t]);
+        if (lo[t] < hi[t]) {
+          k0 = std::min(k0, lo[t]);
+          k1 = std::max(k1, hi[t]);
+        }
+      }
+      if (k1 == 0) continue;  // no visible key (bad input): output 0, as the other kernels do
+      TORCH_CHECK(k1 <= MB * P, "sequence ", s, " has ", k1, " visible keys but its block table row holds ",
+                  MB * P, " slots");
+      const int64_t nk = k1 - k0;  // score columns per (token, head of the group): keys k0 .. k1 - 1
+      const int32_t* table = bt + s * MB;
+      for (int64_t b = k0 / P; b < (k1 + P - 1) / P; ++b)
+        TORCH_CHECK(table[b] >= 0 && table[b] < num_blocks, "block_tables[", s, ", ", b, "] = ", table[b],
+                    " is outside the cache's ", num_blocks, " blocks");
+      // the plain path (no window: every range starts at key 0) is compiled without the window's tests
+      auto attend = [&](auto windowed) {
+        constexpr bool W = decltype(windowed)::value;
+        const int64_t kb = W ? k0 : 0;
+        // cache offsets (floats) of this kv head's row of keys kb .. k1 - 1
+        off.resize(k1 - kb);
+        for (int64_t j = kb; j < k1; ++j)
+          off[j - kb] = (static_cast<int64_t>(table[j / P]) * P + j % P) * row + kvh * D;
+        // scores[(t * G + g) * nk + j - kb] for query head h0 + g; each key row read once
+        scores.assign(T * G * nk, 0.f);
+        for (int64_t j = kb; j < k1; ++j) {
+          const float* kh = kp + off[j - kb];
+          for (int64_t t = 0; t < T; ++t) {
+            if (j >= hi[t] || (W && j < lo[t])) continue;
+            const float* qt = qp + ((t0 + t) * H + h0) * D;
+            for (int64_t g = 0; g < G; ++g) scores[(t * G + g) * nk + j - kb] = dot_f32(qt + g * D, kh, D) * sc;
+          }
+        }
+        for (int64_t t = 0; t < T; ++t) {
+          const int64_t n = hi[t] - lo[t];
+          if (n <= 0) continue;
+          for (int64_t g = 0; g < G; ++g) {
+            const int64_t head = h0 + g;
+            float* sg = scores.data() + (t * G + g) * nk + (lo[t] - kb);  // sg[i]: key lo[t] + i
+            if (cap > 0.f) {
+#pragma omp simd
+              for (int64_t i = 0; i < n; ++i) sg[i] = cap * tanhf(sg[i] * inv_cap);
+            }
+            if (slopes) {
+              const float slope = slopes[head], d0 = static_cast<float>(lo[t] - pos[t0 + t]);  // j - p at i = 0
+#pragma omp simd
+              for (int64_t i = 0; i < n; ++i) sg[i] += slope * (d0 + static_cast<float>(i));
+            }
+            const float mx = *std::max_element(sg, sg + n);
+            float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+            for (int64_t i = 0; i < n; ++i) {
+              sg[i] = expf(sg[i] - mx);  // vectorized (glibc libmvec) under -ffast-math
+              sum += sg[i];
+            }
+            const float inv = 1.f / sum;
+            for (int64_t i = 0; i < n; ++i) sg[i] *= inv;
+            // the token's visible keys are one range: its output is their V rows weighted
+            weighted_rows(op + ((t0 + t) * H + head) * D, sg, vp, off.data() + (lo[t] - kb), n, D);
+          }
+        }
+      };
+      if (window > 0)
+        attend(std::true_type{});
+      else
+        attend(std::false_type{});
+    }
+  });
+  return out;
+}
+
+// Where the attention kernel beats the torch path (measured on SmolLM2's heads, 2 threads). Its cost
+// grows with queries x keys (about 0.085 us per query-key pair for 9 heads of 64): it wins for
+// decodes and 2-token verifies at any context (batch 8 at 1000 keys: 0.76 ms vs 5.6 ms), and for up
+// to 16 queries when the step reads few keys (one sequence of 200 keys, 16 queries: 0.26 vs
+// 0.32 ms), where the torch path's fixed cost dominates. Longer verifies over long contexts and
+// prefill chunks go to SDPA's blocked GEMMs (8 x 8 queries over 1000 keys: 5.5 ms vs 2.8 ms).
+bool attention_pays(torch::Tensor seq_lens, torch::Tensor query_start_loc) {
+  const int64_t S = seq_lens.size(0);
+  // the engine's metadata is int32 already: no conversion (a copy per layer) in that case
+  auto lens = seq_lens.scalar_type() == torch::kInt ? seq_lens.contiguous() : seq_lens.to(torch::kInt);
+  auto qsl = query_start_loc.scalar_type() == torch::kInt ? query_start_loc.contiguous() : query_start_loc.to(torch::kInt);
+  const int32_t* lp = lens.data_ptr<int32_t>();
+  const int32_t* qp = qsl.data_ptr<int32_t>();
+  int64_t max_q = 0, max_len = 0, live = 0;
+  for (int64_t s = 0; s < S; ++s) {
+    const int64_t q = qp[s + 1] - qp[s];
+    if (q <= 0 || lp[s] <= 0) continue;
+    ++live;
+    max_q = std::max(max_q, q);
+    max_len = std::max<int64_t>(max_len, lp[s]);
+  }
+  return max_q <= 2 || (max_q <= 16 && live * max_len <= 1024);
+}
+
+// Few-row linear: y[m, n] = x[m, :] . w[n, :] (+ b[n]) for float32 x [..., K] and w [N, K] (both
+// contiguous). Each thread owns a contiguous range of output rows (one sequential stream through the
+// weights). One or two rows of x: gemv_block, memory-bound, the weights streamed once per two rows.
+// More rows: gemv_tile, the weights streamed once, each pair of weight rows used by every row of x
+// from L1, and prefetched 4 KiB ahead: with 8 rows the dot products cost as much as the stream, and
+// without the prefetch the two do not overlap (8 rows over SmolLM2's weights, 2 threads, AMD EPYC:
+// 31-35 ms prefetched, 39-46 ms not, oneDNN 38-44 ms).
+template <int R>
+static void gemv_block(const float* x, const float* w, const float* b, float* y, int64_t K, int64_t N, int64_t n0,
+                       int64_t n1) {
+  // accumulator chains per row: 4 for one row (32 floats per iteration), 2 each for two rows; enough
+  // independent FMAs to keep the loads of one weight stream in flight
+  constexpr int C = R == 1 ? 4 : 2;
+  for (int64_t n = n0; n < n1; ++n) {
+    const float* wr = w + n * K;
+    float acc[R];
+    int64_t k = 0;
+#ifdef SPECGRAPH_AVX2
+    __m256 a[R][C];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) a[r][c] = _mm256_setzero_ps();
+    for (; k + 8 * C <= K; k += 8 * C) {
+      __m256 wv[C];
+      for (int c = 0; c < C; ++c) wv[c] = _mm256_loadu_ps(wr + k + 8 * c);
+      for (int r = 0; r < R; ++r)
+        for (int c = 0; c < C; ++c) a[r][c] = _mm256_fmadd_ps(wv[c], _mm256_loadu_ps(x + r * K + k + 8 * c), a[r][c]);
+    }
+    for (int r = 0; r < R; ++r) {
+      __m256 sum = a[r][0];
+      for (int c = 1; c < C; ++c) sum = _mm256_add_ps(sum, a[r][c]);
+      acc[r] = hsum8(sum);
+    }
+#else
+    for (int r = 0; r < R; ++r) acc[r] = 0.f;
+#endif
+    for (; k < K; ++k)
+      for (int r = 0; r < R; ++r) acc[r] += x[r * K + k] * wr[k];
+    for (int r = 0; r < R; ++r) y[r * N + n] = acc[r] + (b ? b[n] : 0.f);
+  }
+}
+
+#ifdef SPECGRAPH_AVX2
+// y[r, n + j] for R rows of x and NB rows of w from row n
+template <int R, int NB>
+static inline void gemv_tile(const float* x, const float* w, const float* b, float* y, int64_t K, int64_t N,
+                             int64_t n) {
+  constexpr int64_t kAhead = 1024;  // floats prefetched ahead of the weight stream
+  __m256 a[R][NB];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NB; ++j) a[r][j] = _mm256_setzero_ps();
+  const float* wr = w + n * K;
+  int64_t k = 0;
+  for (; k + 8 <= K; k += 8) {
+    __m256 wv[NB];
+    for (int j = 0; j < NB; ++j) wv[j] = _mm256_loadu_ps(wr + j * K + k);
+    if ((k & 15) == 0)  // one prefetch per 64-byte line
+      for (int j = 0; j < NB; ++j) _mm_prefetch(reinterpret_cast<const char*>(wr + j * K + k + kAhead), _MM_HINT_T0);
+    for (int r = 0; r < R; ++r) {
+      const __m256 xv = _mm256_loadu_ps(x + r * K + k);
+      for (int j = 0; j < NB; ++j) a[r][j] = _mm256_fmadd_ps(wv[j], xv, a[r][j]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NB; ++j) {
+      float acc = hsum8(a[r][j]);
+      for (int64_t kk = k; kk < K; ++kk) acc += x[r * K + kk] * wr[j * K + kk];
+      y[r * N + n + j] = acc + (b ? b[n + j] : 0.f);
+    }
+}
+
+template <int NB>
+static void gemv_tiles(const float* x, const float* w, const float* b, float* y, int64_t M, int64_t K, int64_t N,
+                       int64_t n0, int64_t n1) {
+  for (int64_t n = n0; n < n1; n += NB) {
+    if (n + NB > n1) {  // the range's last rows, one at a time
+      for (int64_t nn = n; nn < n1; ++nn) gemv_tiles<1>(x, w, b, y, M, K, N, nn, nn + 1);
+      return;
+    }
+    int64_t m = 0;
+    for (; m + 4 <= M; m += 4) gemv_tile<4, NB>(x + m * K, w, b, y + m * N, K, N, n);
+    switch (M - m) {
+      case 3: gemv_tile<3, NB>(x + m * K, w, b, y + m * N, K, N, n); break;
+      case 2: gemv_tile<2, NB>(x + m * K, w, b, y + m * N, K, N, n); break;
+      case 1: gemv_tile<1, NB>(x + m * K, w, b, y + m * N, K, N, n); break;
+    }
+  }
+}
+#endif
+
+torch::Tensor gemv(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat && w.scalar_type() == torch::kFloat && w.dim() == 2 &&
+              x.size(-1) == w.size(1), "gemv: float32 x [..., K] and w [N, K]");
+  auto xs = x.reshape({-1, x.size(-1)}).contiguous();
+  auto wc = w.contiguous();
+  const int64_t M = xs.size(0), K = xs.size(1), N = wc.size(0);
+  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
+  out_shape.back() = N;
+  auto y = torch::empty({M, N}, x.options());
+  torch::Tensor bc = bias.has_value() ? bias->contiguous() : torch::Tensor();
+  const float* bp = bias.has_value() ? bc.data_ptr<float>() : nullptr;
+  const float* xp = xs.data_ptr<float>();
+  const float* wp = wc.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t T = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), N / 64));
+  at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t n0 = N * t / T, n1 = N * (t + 1) / T;
+#ifdef SPECGRAPH_AVX2
+      if (M > 2) {
+        gemv_tiles<2>(xp, wp, bp, yp, M, K, N, n0, n1);
+        continue;
+      }
+#endif
+      int64_t m = 0;
+      for (; m + 2 <= M; m += 2) gemv_block<2>(xp + m * K, wp, bp, yp + m * N, K, N, n0, n1);
+      if (m < M) gemv_block<1>(xp + m * K, wp, bp, yp + m * N, K, N, n0, n1);
+    }
+  });
+  return y.view(out_shape);
+}
+
+// Native ops for compiled graphs: no Python on the path when the C++ kernels apply; otherwise the
+// specgraph:: custom op (the kernel registry) runs the call. Same arguments and results.
+torch::Tensor native_paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                     torch::Tensor block_tables, torch::Tensor seq_lens,
+                                     torch::Tensor query_start_loc, torch::Tensor positions, double scale,
+                                     int64_t window, double softcap, c10::optional<torch::Tensor> alibi_slopes) {
+  // the variant runs in the kernel too; an invalid one goes to the dispatcher, whose check says why
+  const bool variant_ok = window >= 0 && softcap >= 0.0 &&
+                          (!alibi_slopes.has_value() ||
+                           (alibi_slopes->dim() == 1 && q.dim() == 3 && alibi_slopes->size(0) == q.size(1) &&
+                            alibi_slopes->is_floating_point() && alibi_slopes->device().is_cpu()));
+  const bool fits = variant_ok && q.scalar_type() == torch::kFloat && k_cache.scalar_type() == torch::kFloat &&
+                    v_cache.scalar_type() == torch::kFloat && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                    block_tables.scalar_type() == torch::kInt && seq_lens.scalar_type() == torch::kInt &&
+                    query_start_loc.scalar_type() == torch::kInt && positions.scalar_type() == torch::kLong;
+  if (fits && attention_pays(seq_lens, query_start_loc)) {
+    c10::optional<torch::Tensor> slopes;
+    if (alibi_slopes.has_value()) slopes = alibi_slopes->to(torch::kFloat).contiguous();
+    return paged_attention_short(q.contiguous(), k_cache, v_cache, block_tables.contiguous(), seq_lens.contiguous(),
+                                 query_start_loc.contiguous(), positions.contiguous(), scale, window, softcap, slopes);
+  }
+  static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("specgraph::paged_attention", "")
+      .typed<torch::Tensor(torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor,
+                           torch::Tensor, double, int64_t, double, c10::optional<torch::Tensor>)>();
+  return op.call(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, positions, scale, window, softcap,
+                 alibi_slopes);
+}
+
+void native_cache_write(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
+                        torch::Tensor slot_mapping) {
+  const auto dt = k_cache.scalar_type();
+  if (k.scalar_type() == dt && v.scalar_type() == dt && v_cache.scalar_type() == dt && k_cache.is_contiguous() &&
+      v_cache.is_contiguous() && slot_mapping.scalar_type() == torch::kLong && k.dim() == 3 && v.sizes() == k.sizes() &&
+      k_cache.dim() == 4 && k.size(1) == k_cache.size(2) && k.size(2) == k_cache.size(3) &&
+      slot_mapping.dim() == 1 && slot_mapping.size(0) == k.size(0)) {
+    cache_write_rows(k.contiguous(), v.contiguous(), k_cache, v_cache, slot_mapping.contiguous());
+    return;
+  }
+  static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("specgraph::cache_write", "")
+      .typed<void(torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor)>();
+  op.call(k, v, k_cache, v_cache, slot_mapping);
+}
+
+TORCH_LIBRARY(specgraph_cpu, m) {
+  m.def("gemv(Tensor x, Tensor w, Tensor? bias) -> Tensor");
+  m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
+        "Tensor query_start_loc, Tensor positions, float scale, int window=0, float softcap=0.0, "
+        "Tensor? alibi_slopes=None) -> Tensor");
+  m.def("cache_write(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(specgraph_cpu, CPU, m) {
+  m.impl("paged_attention", &native_paged_attention);
+  m.impl("cache_write", &native_cache_write);
+  m.impl("gemv", &gemv);
+}
