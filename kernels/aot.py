@@ -26,6 +26,12 @@ from head_dim). The variant's ``window`` is a runtime argument; its ``HAS_SOFTCA
 are built at the first of those points per layout. Quantized cache writes
 (``quant_cache_write.py``) build every (dtype, head_dim).
 
+``quant_linear_int8``, ``quant_linear_int4``, ``quant_linear_fp8`` and ``quant_linear_bfloat16``
+are the one linear kernel (``quant_linear_triton.py``) with its ``SCHEME`` constexpr set: x's
+dtype (float32, bfloat16) x the launcher's ``BLOCK_M`` values (16 for M <= 16, 64 above) x
+with / without bias (``HAS_BIAS``; ``bias_ptr`` is None without). M, N, K and the int4 group
+are runtime arguments, so one binary serves every layer shape and both int4 groups.
+
 Cost: a build takes ~1.5-2.5 s on the 2-core dev box (cold Triton cache); Triton's on-disk
 cache makes warm reruns take a few seconds.
 """
@@ -46,6 +52,8 @@ from . import attention_kernel as _attention_kernel_mod
 from . import cache_write as _cache_write_mod
 from . import quant as _quant_mod
 from . import quant_cache_write as _quant_cache_write_mod
+from . import quant_linear as _quant_linear_mod
+from . import quant_linear_triton as _quant_linear_triton_mod
 from . import triton_helpers as _triton_helpers_mod
 
 ARCHS = (80, 90)
@@ -54,6 +62,7 @@ HEAD_DIMS = (32, 64, 128)
 PAGE_SIZES = (8, 16, 32)
 GQA_GROUPS = (1, 3, 4, 8)
 VARIANT_FLAGS = ((True, False), (False, True), (True, True))  # (HAS_SOFTCAP, HAS_ALIBI) besides neither
+QUANT_LINEAR_DTYPES = (torch.float32, torch.bfloat16)  # x's dtype (y's too)
 _DEFAULT_PAGE_SIZE = 16
 _TRITON_TYPE = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
@@ -63,19 +72,25 @@ class KernelSpec:
     """One compiled specialization: which kernel and the values of its constexprs."""
 
     kernel_name: str  # a key of _KERNELS: "cache_write", "paged_attention", "cache_write_fp8", ...
-    dtype: torch.dtype  # cache dtype (q / k / v use the same); quantized kernels: the k / v / q dtype
-    head_dim: int
+    dtype: torch.dtype  # cache dtype (q / k / v the same); quantized kernels: the k / v / q dtype; quant_linear: x's
+    head_dim: int | None = None  # every kernel but quant_linear
     page_size: int | None = None  # paged_attention only
     block_g: int | None = None  # paged_attention only: padded GQA group
     softcap: bool = False  # paged_attention only: the variant's HAS_SOFTCAP / HAS_ALIBI
     alibi: bool = False
+    block_m: int | None = None  # quant_linear only: rows per program
+    bias: bool = False  # quant_linear only: HAS_BIAS
 
     @property
     def tag(self) -> str:
-        parts = [self.kernel_name, _TRITON_TYPE[self.dtype], f"d{self.head_dim}"]
+        parts = [self.kernel_name, _TRITON_TYPE[self.dtype]]
+        if self.head_dim is not None:
+            parts.append(f"d{self.head_dim}")
         if self.page_size is not None:
             parts += [f"p{self.page_size}", f"g{self.block_g}"]
-        parts += ["softcap"] * self.softcap + ["alibi"] * self.alibi
+        if self.block_m is not None:
+            parts.append(f"m{self.block_m}")
+        parts += ["softcap"] * self.softcap + ["alibi"] * self.alibi + ["bias"] * self.bias
         return "_".join(parts)
 
 
@@ -170,6 +185,38 @@ def _paged_attention_source(spec: KernelSpec) -> triton.compiler.ASTSource:
     )
 
 
+_QUANT_LINEAR_OPERANDS = {  # scheme -> (weight, scales) pointer types; None: the launcher passes None
+    "int8": ("*i8", "*fp32"),
+    "int4": ("*u8", "*fp16"),
+    "fp8": ("*u8", "*fp32"),  # e4m3 bits: Triton's float8 type is refused below sm_89
+    "bfloat16": ("*bf16", None),
+}
+
+
+def _quant_linear_source(spec: KernelSpec) -> triton.compiler.ASTSource:
+    t = _TRITON_TYPE[spec.dtype]
+    scheme = spec.kernel_name.removeprefix("quant_linear_")
+    weight, scales = _QUANT_LINEAR_OPERANDS[scheme]
+    signature = {
+        "y_ptr": f"*{t}", "x_ptr": f"*{t}", "w_ptr": weight, "scales_ptr": scales,
+        "bias_ptr": "*fp32" if spec.bias else None,
+        "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "group": "i32",
+    }
+    constexprs = {name: None for name, ty in signature.items() if ty is None}
+    constexprs.update({
+        "SCHEME": scheme,
+        "HAS_BIAS": spec.bias,
+        "BLOCK_M": spec.block_m,
+        "BLOCK_N": _quant_linear_triton_mod.BLOCK_N,
+        "BLOCK_K": _quant_linear_triton_mod.BLOCK_K,
+        "INTERPRETER": False,
+    })
+    signature.update({name: "constexpr" for name in constexprs})
+    return triton.compiler.ASTSource(
+        fn=_quant_linear_triton_mod.quant_linear_kernel, signature=signature, constexprs=constexprs
+    )
+
+
 def _int4_groups(head_dim: int) -> tuple[int, int]:
     return tuple(_quant_mod.int4_group_size(head_dim, g) for g in _quant_mod.INT4_GROUPS)
 
@@ -181,6 +228,8 @@ _KERNELS = {
     "cache_write_int4": (_quant_cache_write_mod._cache_write_int4_kernel, _cache_write_quant_source),
     "paged_attention_fp8": (_attention_kernel_mod.paged_attention_kernel, _paged_attention_source),
     "paged_attention_int4": (_attention_kernel_mod.paged_attention_kernel, _paged_attention_source),
+    **{f"quant_linear_{scheme}": (_quant_linear_triton_mod.quant_linear_kernel, _quant_linear_source)
+       for scheme in _quant_linear_mod.WEIGHT_SCHEMES},
 }
 
 
@@ -189,6 +238,11 @@ def specializations(kernel_name: str) -> list[KernelSpec]:
     _check_kernel_name(kernel_name)
     if kernel_name.startswith("cache_write"):
         return [KernelSpec(kernel_name, dt, d) for dt in DTYPES for d in HEAD_DIMS]
+    if kernel_name.startswith("quant_linear"):
+        return [
+            KernelSpec(kernel_name, dt, block_m=bm, bias=bias)
+            for dt in QUANT_LINEAR_DTYPES for bm in _quant_linear_triton_mod.BLOCK_MS for bias in (False, True)
+        ]
     block_gs = sorted({max(_attention_kernel_mod.MIN_BLOCK_G, triton.next_power_of_2(g)) for g in GQA_GROUPS})
     specs = [
         KernelSpec(kernel_name, dt, d, _DEFAULT_PAGE_SIZE, bg)

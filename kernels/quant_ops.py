@@ -8,6 +8,8 @@ are the float ops' (``ops.py``) with ``k_scale, v_scale`` after ``v_cache``:
   seq_lens, query_start_loc, positions, scale, window=0, softcap=0.0, alibi_slopes=None) -> Tensor``
 * ``torch.ops.specgraph.cache_write_int4(...)`` / ``torch.ops.specgraph.paged_attention_int4(...)``:
   same arguments, int4 layout.
+* ``torch.ops.specgraph.quant_linear(x, weight, scales, bias, scheme) -> Tensor``: a linear over
+  quantized weights (int8, int4, fp8, bfloat16; formats in ``quant_linear.py``).
 
 The writes mutate the caches *and* the scale tensors. Each body hands the call to
 ``registry.dispatch`` (Triton on CUDA or when forced, else the torch reference).
@@ -18,6 +20,8 @@ from __future__ import annotations
 import torch
 
 from . import quant_cache_write as _w  # noqa: F401  (each kernel module registers its implementations)
+from . import quant_linear as _l  # noqa: F401
+from . import quant_linear_triton as _lt  # noqa: F401
 from . import quant_paged_attention as _a  # noqa: F401
 from .registry import dispatch
 
@@ -114,3 +118,20 @@ def _paged_attention_fp8_fake(q, k_cache, v_cache, k_scale, v_scale, block_table
 def _paged_attention_int4_fake(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, query_start_loc,
                                positions, scale, window=0, softcap=0.0, alibi_slopes=None):
     return q.new_empty(q.shape)
+
+
+@torch.library.custom_op("specgraph::quant_linear", mutates_args=())
+def quant_linear(
+    x: torch.Tensor,  # [..., K] float
+    weight: torch.Tensor,  # [N, K] (int4: [N, K // 2]) in the scheme's storage dtype
+    scales: torch.Tensor | None,  # int8/fp8: float32 [N]; int4: float16 [N, K // group, 2]; bfloat16: None
+    bias: torch.Tensor | None,  # [N]
+    scheme: str,  # "int8", "int4", "fp8" or "bfloat16"
+) -> torch.Tensor:  # [..., N], x.dtype
+    """``x @ W.T + bias`` with ``W`` stored quantized (see ``quant_linear.py``)."""
+    return dispatch("quant_linear", x, weight, scales, bias, scheme)
+
+
+@quant_linear.register_fake
+def _quant_linear_fake(x, weight, scales, bias, scheme):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))

@@ -60,6 +60,7 @@ def test_dump_dir_has_sources_and_ptx(compiled):
     assert "@triton.jit" in (dump_dir / "cache_write.py").read_text()
     assert "def _quantize_int4_row" in (dump_dir / "cache_write_int4.py").read_text()  # helpers travel along
     assert "def e4m3_from_bits" in (dump_dir / "triton_helpers.py").read_text()
+    assert "def _quantize_act_block" in (dump_dir / "quant_linear_int4.py").read_text()
     for arch, rows in summary.items():
         for r in rows:
             assert (dump_dir / f"{r['tag']}.sm{arch}.ptx").stat().st_size == r["ptx_chars"]
@@ -112,6 +113,31 @@ def test_attention_layouts_and_variants_are_specializations_of_one_kernel():
         flagged = aot._KERNELS[name][1](next(s for s in specs if s.softcap and s.alibi))
         assert constexpr(flagged, "HAS_SOFTCAP") and constexpr(flagged, "HAS_ALIBI")
         assert flagged.signature["alibi_slopes_ptr"] == "*fp32"
+
+
+def test_quant_linear_specializations_cover_the_launch_matrix():
+    """The four quant_linear schemes are one kernel with SCHEME set; each builds x's dtype x the
+    launcher's BLOCK_M values x with / without bias; fp8 weights are uint8 bit patterns."""
+    from specgraph.kernels import quant_linear_triton as qlt
+    from specgraph.kernels.quant_linear import WEIGHT_SCHEMES
+
+    def constexpr(source, name):
+        return source.constants[(source.fn.arg_names.index(name),)]
+
+    names = [f"quant_linear_{scheme}" for scheme in WEIGHT_SCHEMES]
+    assert {aot._KERNELS[name][0] for name in names} == {qlt.quant_linear_kernel}
+    assert {qlt.block_m(m) for m in (1, 16, 17, 4096)} == set(qlt.BLOCK_MS)
+    for scheme, name in zip(WEIGHT_SCHEMES, names):
+        specs = aot.specializations(name)
+        assert {(s.dtype, s.block_m, s.bias) for s in specs} == {
+            (dt, bm, bias) for dt in aot.QUANT_LINEAR_DTYPES for bm in qlt.BLOCK_MS for bias in (False, True)}
+        plain = aot._KERNELS[name][1](next(s for s in specs if not s.bias))
+        assert constexpr(plain, "SCHEME") == scheme and constexpr(plain, "bias_ptr") is None
+        assert constexpr(plain, "BLOCK_K") % 32 == 0
+        assert plain.signature["K"] == "i32" and plain.signature["group"] == "i32"  # one binary per scheme and dtype
+        biased = aot._KERNELS[name][1](next(s for s in specs if s.bias))
+        assert constexpr(biased, "HAS_BIAS") and biased.signature["bias_ptr"] == "*fp32"
+    assert aot._KERNELS["quant_linear_fp8"][1](aot.specializations("quant_linear_fp8")[0]).signature["w_ptr"] == "*u8"
 
 
 def test_refuses_to_run_under_the_interpreter():

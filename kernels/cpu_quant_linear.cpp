@@ -1,0 +1,377 @@
+// Linears over quantized weights on CPU: specgraph::quant_linear (formats and contract in quant_linear.py).
+//
+// int4 weights: the activations are rounded per row and block of 32 columns to int8 codes (the
+// op's contract), and each block's product is an integer dot product: the nibbles unpacked to
+// bytes, AVX2 vpmaddubsw (unsigned codes x signed activations -> int16 pairs) + vpmaddwd (->
+// int32), 32 products in two instructions, then one float FMA by the block's scales; the
+// group's min turns into min_g * sum_g(x).
+// int8 / fp8 / bfloat16 weights: widened to float in registers (int8 by two conversions, fp8
+// through float16 bits and F16C, bfloat16 by a shift) and multiplied by float activations.
+//
+// Tiling: each thread owns a range of output channels; a tile is R rows of x by NB weight rows
+// (NB = 4 for one row of x, else 2), so each weight byte is loaded once per R rows (R up to 4).
+// Large row counts loop over chunks of weight rows that stay in L2 while every 4-row tile of x
+// passes over them. The weight streams are prefetched kAhead bytes ahead (without it, weight rows
+// streamed at 15 GB/s instead of 19). Without AVX2 the same numbers come from scalar loops.
+
+namespace specgraph_qlinear {
+
+constexpr int64_t kBlock = 32;  // activation block (quant_linear.ACT_BLOCK)
+constexpr float kActMax = 127.f;  // quant_linear.ACT_MAX
+constexpr int64_t kChunk = 32;  // weight rows per L2-resident chunk when x has many rows
+constexpr int64_t kAhead = 2048;  // bytes prefetched ahead of a weight stream
+
+// Activations of one call, rounded: codes [M, K], each block's columns reordered even first (to
+// line up with the weight nibbles), per-block steps [M, K / 32] and step * sum(codes) per block.
+struct QuantizedRows {
+  std::vector<int8_t> codes;
+  std::vector<float> scale;
+  std::vector<float> scaled_sum;
+};
+
+static QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K) {
+  const int64_t KB = K / kBlock;
+  QuantizedRows q{std::vector<int8_t>(M * K), std::vector<float>(M * KB), std::vector<float>(M * KB)};
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t b = 0; b < KB; ++b) {
+      const float* xb = x + m * K + b * kBlock;
+      int8_t* cb = q.codes.data() + m * K + b * kBlock;
+      float amax = 0.f;
+      for (int64_t i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(xb[i]));
+      const float inv = amax > 0.f ? kActMax / amax : 0.f;
+      int sum = 0;
+#ifdef SPECGRAPH_AVX2
+      const __m256 vinv = _mm256_set1_ps(inv);
+      __m256i c[4];
+      for (int i = 0; i < 4; ++i)
+        c[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(xb + 8 * i), vinv),
+                                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+      // int32 -> int8 (within +-127): the packs work per 128-bit lane, the permute restores the order
+      __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3]));
+      packed = _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+      // even columns first: per lane 8 even bytes then 8 odd ones, then the lanes' halves regrouped
+      const __m256i split = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,
+                                             0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+      packed = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(packed, split), 0xD8);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(cb), packed);
+      for (int64_t i = 0; i < kBlock; ++i) sum += cb[i];
+#else
+      for (int64_t i = 0; i < kBlock; ++i) {
+        const int8_t code = static_cast<int8_t>(std::nearbyint(xb[i] * inv));
+        cb[(i % 2) * (kBlock / 2) + i / 2] = code;
+        sum += code;
+      }
+#endif
+      q.scale[m * KB + b] = amax / kActMax;
+      q.scaled_sum[m * KB + b] = amax / kActMax * static_cast<float>(sum);
+    }
+  }
+  return q;
+}
+
+#ifdef SPECGRAPH_AVX2
+static inline __m256i load32(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+
+inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
+
+// the 32 int4 codes of bytes p[0..15]: even columns in the low lane, odd ones in the high lane
+static inline __m256i unpack_int4(const uint8_t* p) {
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask), _mm_and_si128(bytes, mask));
+}
+
+// y[r, n + j] for R rows of x and NB int4 weight rows from n: packed [N, K / 2], params [N, K / G, 2]
+// float16 (scale, min)
+template <int R, int NB>
+static inline void int4_tile(const QuantizedRows& q, int64_t m0, const uint8_t* w, const at::Half* params,
+                             int64_t G, const float* b, float* y, int64_t K, int64_t N, int64_t n) {
+  const int64_t KB = K / kBlock, NG = K / G, per_group = G / kBlock;
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[R][NB];
+  float min_term[R][NB];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NB; ++j) acc[r][j] = _mm256_setzero_ps(), min_term[r][j] = 0.f;
+  for (int64_t g = 0; g < NG; ++g) {
+    float scale[NB], mn[NB];
+    for (int j = 0; j < NB; ++j) {
+      const at::Half* p = params + ((n + j) * NG + g) * 2;
+      scale[j] = _cvtsh_ss(p[0].x);
+      mn[j] = _cvtsh_ss(p[1].x);
+    }
+    for (int64_t blk = g * per_group; blk < (g + 1) * per_group; ++blk) {
+      __m256i wv[NB];
+      for (int j = 0; j < NB; ++j) {
+        const uint8_t* p = w + (n + j) * (K / 2) + blk * (kBlock / 2);
+        wv[j] = unpack_int4(p);
+        if ((blk & 3) == 0) prefetch(p + kAhead);
+      }
+      for (int r = 0; r < R; ++r) {
+        const __m256i xv = load32(q.codes.data() + (m0 + r) * K + blk * kBlock);
+        const float sx = q.scale[(m0 + r) * KB + blk], ssum = q.scaled_sum[(m0 + r) * KB + blk];
+        for (int j = 0; j < NB; ++j) {
+          // codes <= 15 and |x| <= 127: each int16 pair sum is within range
+          const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(wv[j], xv), ones);
+          acc[r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(sx * scale[j]), acc[r][j]);
+          min_term[r][j] += mn[j] * ssum;
+        }
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NB; ++j)
+      y[(m0 + r) * N + n + j] = hsum8(acc[r][j]) + min_term[r][j] + (b ? b[n + j] : 0.f);
+}
+
+// 8 weights widened to float: bfloat16 by a shift; fp8 (e4m3) bits moved into float16 fields
+// (the float16 number is value * 2^-8 exactly, subnormals included; 2^8 goes into the scale)
+struct Bf16Weights {
+  using T = at::BFloat16;
+  static inline __m256 load8(const T* p) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+};
+struct Int8Weights {
+  using T = int8_t;
+  static inline __m256 load8(const T* p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  }
+};
+struct Fp8Weights {
+  using T = uint8_t;
+  static inline __m256 load8(const T* p) {
+    const __m128i u = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    const __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(u, _mm_set1_epi16(0x80)), 8),
+                                   _mm_slli_epi16(_mm_and_si128(u, _mm_set1_epi16(0x7F)), 7));
+    return _mm256_cvtph_ps(h);
+  }
+};
+
+// y[r, n + j] for R rows of float x and NB weight rows (fp8 / bfloat16), times the row's scale (or 1)
+template <class W, int R, int NB>
+static inline void widened_tile(const float* x, int64_t m0, const typename W::T* w, const float* ws, float unit,
+                                const float* b, float* y, int64_t K, int64_t N, int64_t n) {
+  __m256 acc[R][NB];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NB; ++j) acc[r][j] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; k += 8) {
+    __m256 wv[NB];
+    for (int j = 0; j < NB; ++j) wv[j] = W::load8(w + (n + j) * K + k);
+    if (k % (64 / sizeof(typename W::T)) == 0)  // one prefetch per 64-byte line
+      for (int j = 0; j < NB; ++j) prefetch(reinterpret_cast<const char*>(w + (n + j) * K + k) + kAhead);
+    for (int r = 0; r < R; ++r) {
+      const __m256 xv = _mm256_loadu_ps(x + (m0 + r) * K + k);
+      for (int j = 0; j < NB; ++j) acc[r][j] = _mm256_fmadd_ps(wv[j], xv, acc[r][j]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NB; ++j)
+      y[(m0 + r) * N + n + j] = hsum8(acc[r][j]) * (ws ? ws[n + j] * unit : 1.f) + (b ? b[n + j] : 0.f);
+}
+#endif
+
+// One call's weights: the storage and its scales (int8/fp8: float32 per row; int4: float16
+// (scale, min) per group of G columns; bfloat16: none).
+struct Weights {
+  enum Kind { kInt8, kInt4, kFp8, kBf16 } kind;
+  const void* data;
+  const float* row_scale;
+  const at::Half* params;
+  int64_t G;
+};
+
+// Scalar path (no AVX2, and a range's odd last weight row): the same numbers, one output at a time.
+static float scalar_output(const Weights& wt, const float* x, const QuantizedRows& q, int64_t m, int64_t K,
+                           int64_t n) {
+  const int64_t KB = K / kBlock;
+  if (wt.kind == Weights::kInt4) {
+    float out = 0.f;
+    for (int64_t blk = 0; blk < KB; ++blk) {
+      const int8_t* xc = q.codes.data() + m * K + blk * kBlock;  // even columns first
+      const uint8_t* p = static_cast<const uint8_t*>(wt.data) + n * (K / 2) + blk * (kBlock / 2);
+      int dot = 0;
+      for (int64_t i = 0; i < kBlock / 2; ++i) dot += (p[i] & 0x0F) * xc[i] + (p[i] >> 4) * xc[kBlock / 2 + i];
+      const at::Half* pg = wt.params + (n * (K / wt.G) + blk * kBlock / wt.G) * 2;
+      out += static_cast<float>(dot) * q.scale[m * KB + blk] * static_cast<float>(pg[0]) +
+             static_cast<float>(pg[1]) * q.scaled_sum[m * KB + blk];
+    }
+    return out;
+  }
+  float out = 0.f;
+  for (int64_t k = 0; k < K; ++k) {
+    const float wv = wt.kind == Weights::kBf16   ? static_cast<float>(static_cast<const at::BFloat16*>(wt.data)[n * K + k])
+                     : wt.kind == Weights::kInt8 ? static_cast<float>(static_cast<const int8_t*>(wt.data)[n * K + k])
+                         : static_cast<float>(static_cast<const c10::Float8_e4m3fn*>(wt.data)[n * K + k]);
+    out += wv * x[m * K + k];
+  }
+  return wt.kind == Weights::kBf16 ? out : out * wt.row_scale[n];
+}
+
+#ifdef SPECGRAPH_AVX2
+template <int R, int NB>
+static inline void tile(const Weights& wt, const float* x, const QuantizedRows& q, int64_t m0, const float* b,
+                        float* y, int64_t K, int64_t N, int64_t n) {
+  switch (wt.kind) {
+    case Weights::kInt8:
+      widened_tile<Int8Weights, R, NB>(x, m0, static_cast<const int8_t*>(wt.data), wt.row_scale, 1.f, b, y, K, N, n);
+      break;
+    case Weights::kInt4:
+      int4_tile<R, NB>(q, m0, static_cast<const uint8_t*>(wt.data), wt.params, wt.G, b, y, K, N, n);
+      break;
+    case Weights::kFp8:
+      widened_tile<Fp8Weights, R, NB>(x, m0, static_cast<const uint8_t*>(wt.data), wt.row_scale, 256.f, b, y, K,
+                                      N, n);
+      break;
+    case Weights::kBf16:
+      widened_tile<Bf16Weights, R, NB>(x, m0, static_cast<const at::BFloat16*>(wt.data), nullptr, 1.f, b, y, K, N,
+                                       n);
+      break;
+  }
+}
+
+// every row of x against weight rows [n0, n1), NB = 2 at a time
+static void rows_range(const Weights& wt, const float* x, const QuantizedRows& q, int64_t m0, int64_t m1,
+                       const float* b, float* y, int64_t K, int64_t N, int64_t n0, int64_t n1) {
+  int64_t n = n0;
+  if (m1 - m0 == 1)
+    for (; n + 4 <= n1; n += 4) tile<1, 4>(wt, x, q, m0, b, y, K, N, n);
+  for (; n + 2 <= n1; n += 2) {
+    int64_t m = m0;
+    for (; m + 4 <= m1; m += 4) tile<4, 2>(wt, x, q, m, b, y, K, N, n);
+    switch (m1 - m) {
+      case 3: tile<3, 2>(wt, x, q, m, b, y, K, N, n); break;
+      case 2: tile<2, 2>(wt, x, q, m, b, y, K, N, n); break;
+      case 1: tile<1, 2>(wt, x, q, m, b, y, K, N, n); break;
+    }
+  }
+  for (; n < n1; ++n)
+    for (int64_t m = m0; m < m1; ++m) y[m * N + n] = scalar_output(wt, x, q, m, K, n) + (b ? b[n] : 0.f);
+}
+#endif
+
+static void outputs_range(const Weights& wt, const float* x, const QuantizedRows& q, int64_t M, const float* b,
+                          float* y, int64_t K, int64_t N, int64_t n0, int64_t n1) {
+#ifdef SPECGRAPH_AVX2
+  const bool aligned = wt.kind == Weights::kInt4 || K % 8 == 0;
+  if (aligned) {
+    if (M <= 4) {
+      rows_range(wt, x, q, 0, M, b, y, K, N, n0, n1);
+    } else {  // a chunk of weight rows stays in L2 while every 4-row tile of x passes over it
+      for (int64_t c = n0; c < n1; c += kChunk)
+        for (int64_t m = 0; m < M; m += 4)
+          rows_range(wt, x, q, m, std::min(m + 4, M), b, y, K, N, c, std::min(c + kChunk, n1));
+    }
+    return;
+  }
+#endif
+  for (int64_t n = n0; n < n1; ++n)
+    for (int64_t m = 0; m < M; ++m) y[m * N + n] = scalar_output(wt, x, q, m, K, n) + (b ? b[n] : 0.f);
+}
+
+static bool parse_scheme(c10::string_view scheme, Weights::Kind* kind) {
+  if (scheme == "int8") *kind = Weights::kInt8;
+  else if (scheme == "int4") *kind = Weights::kInt4;
+  else if (scheme == "fp8") *kind = Weights::kFp8;
+  else if (scheme == "bfloat16") *kind = Weights::kBf16;
+  else return false;
+  return true;
+}
+
+// whether the kernel takes this call (else the specgraph:: op, whose checks name any problem)
+static bool kernel_applies(const torch::Tensor& x, const torch::Tensor& weight, const c10::optional<torch::Tensor>& scales,
+                           const c10::optional<torch::Tensor>& bias, c10::string_view scheme) {
+  Weights::Kind kind;
+  if (!parse_scheme(scheme, &kind) || !x.device().is_cpu() || x.scalar_type() != torch::kFloat || x.dim() < 1 ||
+      weight.dim() != 2 || !weight.is_contiguous())
+    return false;
+  const int64_t N = weight.size(0), K = kind == Weights::kInt4 ? 2 * weight.size(1) : weight.size(1);
+  if (x.size(-1) != K) return false;
+  if (bias.has_value() && (bias->scalar_type() != torch::kFloat || bias->dim() != 1 || bias->size(0) != N))
+    return false;
+  switch (kind) {
+    case Weights::kInt8:
+    case Weights::kFp8:
+      return weight.scalar_type() == (kind == Weights::kInt8 ? torch::kChar : torch::kFloat8_e4m3fn) &&
+             scales.has_value() &&
+             scales->scalar_type() == torch::kFloat && scales->dim() == 1 && scales->size(0) == N &&
+             scales->is_contiguous();
+    case Weights::kInt4: {
+      if (weight.scalar_type() != torch::kByte || K % kBlock || !scales.has_value() || scales->dim() != 3 ||
+          scales->scalar_type() != torch::kHalf || scales->size(0) != N || scales->size(2) != 2 ||
+          !scales->is_contiguous() || scales->size(1) == 0 || K % scales->size(1))
+        return false;
+      const int64_t G = K / scales->size(1);
+      return G == 32 || G == 64;
+    }
+    case Weights::kBf16:
+      return weight.scalar_type() == torch::kBFloat16 && !scales.has_value();
+  }
+  return false;
+}
+
+static torch::Tensor run(const torch::Tensor& x, const torch::Tensor& weight, const c10::optional<torch::Tensor>& scales,
+                         const c10::optional<torch::Tensor>& bias, c10::string_view scheme) {
+  Weights wt{};
+  parse_scheme(scheme, &wt.kind);
+  auto xs = x.reshape({-1, x.size(-1)}).contiguous();
+  const int64_t M = xs.size(0), K = xs.size(1), N = weight.size(0);
+  wt.data = weight.data_ptr();
+  if (wt.kind == Weights::kInt8 || wt.kind == Weights::kFp8) wt.row_scale = scales->data_ptr<float>();
+  if (wt.kind == Weights::kInt4) {
+    wt.params = scales->data_ptr<at::Half>();
+    wt.G = K / scales->size(1);
+  }
+  torch::Tensor bc = bias.has_value() ? bias->contiguous() : torch::Tensor();
+  const float* bp = bias.has_value() ? bc.data_ptr<float>() : nullptr;
+  const float* xp = xs.data_ptr<float>();
+  const QuantizedRows q = wt.kind == Weights::kInt4 ? quantize_rows(xp, M, K) : QuantizedRows{};
+  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
+  out_shape.back() = N;
+  auto y = torch::empty({M, N}, x.options());
+  float* yp = y.data_ptr<float>();
+  const int64_t T = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), N / 64));
+  at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      // even range boundaries, so every tile holds two weight rows
+      const int64_t n0 = (N * t / T) & ~int64_t(1), n1 = t + 1 == T ? N : (N * (t + 1) / T) & ~int64_t(1);
+      outputs_range(wt, xp, q, M, bp, yp, K, N, n0, n1);
+    }
+  });
+  return y.view(out_shape);
+}
+
+}  // namespace specgraph_qlinear
+
+// specgraph_cpu::quant_linear, the twin of specgraph::quant_linear: the kernel where it applies,
+// otherwise the specgraph:: op (its registry), with the same arguments and result.
+torch::Tensor native_quant_linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> scales,
+                                  c10::optional<torch::Tensor> bias, c10::string_view scheme) {
+  if (specgraph_qlinear::kernel_applies(x, weight, scales, bias, scheme))
+    return specgraph_qlinear::run(x, weight, scales, bias, scheme);
+  static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("specgraph::quant_linear", "")
+      .typed<torch::Tensor(torch::Tensor, torch::Tensor, c10::optional<torch::Tensor>, c10::optional<torch::Tensor>,
+                           c10::string_view)>();
+  return op.call(x, weight, scales, bias, scheme);
+}
+
+// for the registry's "cpp" implementation (Python checks the arguments first)
+torch::Tensor quant_linear_cpu(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> scales,
+                               c10::optional<torch::Tensor> bias, std::string scheme) {
+  TORCH_CHECK(specgraph_qlinear::kernel_applies(x, weight, scales, bias, scheme),
+              "quant_linear_cpu: arguments the C++ kernel does not take");
+  return specgraph_qlinear::run(x, weight, scales, bias, scheme);
+}
+
+bool quant_linear_applies(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> scales,
+                          c10::optional<torch::Tensor> bias, std::string scheme) {
+  return specgraph_qlinear::kernel_applies(x, weight, scales, bias, scheme);
+}
+
+TORCH_LIBRARY_FRAGMENT(specgraph_cpu, m) {
+  m.def("quant_linear(Tensor x, Tensor weight, Tensor? scales, Tensor? bias, str scheme) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(specgraph_cpu, CPU, m) {
+  m.impl("quant_linear", &native_quant_linear);
+}
