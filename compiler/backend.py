@@ -19,7 +19,7 @@ from .capture import CapturedGraph, capture
 from .dump import Dumper
 from .options import BackendOptions
 from .passes import PassContext, PassManager, order_passes
-from .pipeline import CAPTURE_PASSES
+from .pipeline import backend_passes
 
 
 @dataclass
@@ -43,7 +43,7 @@ def run_capture_pipeline(dynamo_gm: fx.GraphModule, example_inputs: list, option
     captured = capture(dynamo_gm, example_inputs)
     dumper = Dumper(options.dump_dir) if options.dump_dir else None
     ctx = PassContext(options=options, sample_inputs={i.name: i.example for i in captured.inputs})
-    manager = PassManager(order_passes(passes or CAPTURE_PASSES, options.passes), dumper=dumper,
+    manager = PassManager(order_passes(passes or backend_passes(), options.passes), dumper=dumper,
                           check=options.check == "numeric")
     gm = manager.run(captured.gm, ctx)
     if dumper is not None and options.mlir:

@@ -160,6 +160,10 @@ def choose_buckets(gm: fx.GraphModule, device: torch.device) -> StepPlan:
                     weights.append(t.detach())
                     total += t.numel() * 4
     if not weights:
+        if any(n.op == "call_function" and n.target == torch.ops.specgraph.quant_linear.default for n in gm.graph.nodes):
+            return StepPlan((1, 8), "inductor", "quantized linears (specgraph's kernel at any row count) -> static "
+                                                "graphs for steps of 1 and of up to 8 tokens: their C++ wrapper "
+                                                "saves host time")
         return StepPlan((), "inductor", "no float32 linears: every step runs the dynamic graph")
     times = _time_linears(weights)
     line = (f"few-row GEMMs over {total / 2**20:.0f} MiB of the model's weights: "

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 KV_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8", "int4")
+WEIGHT_DTYPES = ("auto", "float32", "bfloat16", "int8", "fp8", "int4")
 PAGE_SIZES = (8, 16, 32)
 CHECK_MODES = ("off", "numeric")
 DUMP_ENV_VAR = "SPECGRAPH_DUMP_DIR"
@@ -29,6 +30,13 @@ class BackendOptions:
         ``"bfloat16"``, ``"float16"``, ``"fp8"`` (e4m3 + per-token scales) or ``"int4"``.
     page_size:
         Tokens per KV-cache block (8, 16 or 32).
+    weight_dtype:
+        Storage of the linears' weights: ``"auto"`` / ``"float32"`` (the model's own, unchanged),
+        ``"bfloat16"``, ``"int8"`` (per output channel), ``"fp8"`` (e4m3, per output channel) or
+        ``"int4"`` (groups of 32 with scale and min; each linear's input is rounded to an int8 grid
+        per 32 values); under int4 and fp8 the LM head is int8. The ``quantize_weights`` pass
+        rewrites the linears (formats in ``specgraph/kernels/quant_linear.py``); the embedding
+        table stays float.
     passes:
         User passes: plain callables ``fn(gm, ctx)`` or ``@specgraph.graph_pass`` objects. A
         plain callable without placement runs after every built-in pass.
@@ -59,6 +67,7 @@ class BackendOptions:
 
     kv_dtype: str = "auto"
     page_size: int = 16
+    weight_dtype: str = "auto"
     passes: Sequence[Callable[..., Any]] = field(default_factory=tuple)
     dump_dir: str | None = None
     check: str = "off"
@@ -70,6 +79,8 @@ class BackendOptions:
     def __post_init__(self) -> None:
         if self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype={self.kv_dtype!r} is not supported; valid: {', '.join(KV_DTYPES)}")
+        if self.weight_dtype not in WEIGHT_DTYPES:
+            raise ValueError(f"weight_dtype={self.weight_dtype!r} is not supported; valid: {', '.join(WEIGHT_DTYPES)}")
         if self.page_size not in PAGE_SIZES:
             raise ValueError(f"page_size={self.page_size!r} is not supported; valid: {PAGE_SIZES}")
         if self.lowering is None:
@@ -84,6 +95,11 @@ class BackendOptions:
         object.__setattr__(self, "passes", tuple(self.passes))
         if self.dump_dir is None and os.environ.get(DUMP_ENV_VAR):
             object.__setattr__(self, "dump_dir", os.environ[DUMP_ENV_VAR])
+
+    @property
+    def weight_scheme(self) -> str | None:
+        """The ``quant_linear`` scheme the weights are rewritten to (None: they stay as they are)."""
+        return None if self.weight_dtype in ("auto", "float32") else self.weight_dtype
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "BackendOptions":

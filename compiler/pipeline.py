@@ -12,6 +12,8 @@ Phase 2 (decoder programs): turn the cache-free graph into an incremental, paged
     cleanup     dead mask construction and aranges removed
     select_logits  the LM head runs only on the rows whose logits are needed
     fuse_linears   linears reading one input (q/k/v, gate/up) become one linear over stacked weights
+    quantize_weights  (weight_dtype bfloat16/int8/fp8/int4) linears read quantized weights
+The backend's own (cache-free) graph runs phase 1 and quantize_weights.
 """
 from __future__ import annotations
 
@@ -22,6 +24,12 @@ from ..passes.normalize import normalize
 CAPTURE_PASSES = [GraphPass(normalize, "normalize"), GraphPass(annotate, "annotate")]
 
 
+def backend_passes() -> list[GraphPass]:
+    from ..passes.quantize_weights import quantize_weights
+
+    return CAPTURE_PASSES + [GraphPass(quantize_weights, "quantize_weights")]
+
+
 def decoder_passes() -> list[GraphPass]:
     from ..passes.cleanup import cleanup
     from ..passes.fuse_linears import fuse_linears
@@ -29,6 +37,7 @@ def decoder_passes() -> list[GraphPass]:
     from ..passes.kv_quant import kv_quant
     from ..passes.paging import paging
     from ..passes.positions import positions
+    from ..passes.quantize_weights import quantize_weights
     from ..passes.rotate_kv import rotate_kv
     from ..passes.select_logits import select_logits
 
@@ -36,4 +45,5 @@ def decoder_passes() -> list[GraphPass]:
                              GraphPass(paging, "paging"), GraphPass(rotate_kv, "rotate_kv"),
                              GraphPass(kv_quant, "kv_quant", check_atol=0.25),
                              GraphPass(cleanup, "cleanup"),
-                             GraphPass(select_logits, "select_logits"), GraphPass(fuse_linears, "fuse_linears")]
+                             GraphPass(select_logits, "select_logits"), GraphPass(fuse_linears, "fuse_linears"),
+                             GraphPass(quantize_weights, "quantize_weights")]

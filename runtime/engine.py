@@ -50,7 +50,7 @@ class Engine:
     ----------
     model: a Hugging Face causal LM or any module mapping ids ``[1, T]`` to logits.
     tokenizer: optional; needed for string prompts, ``.text`` and stop strings.
-    kv_dtype, page_size: see :class:`~specgraph.BackendOptions`.
+    kv_dtype, weight_dtype, page_size: see :class:`~specgraph.BackendOptions`.
     prefix_caching: reuse cached full blocks of earlier prompts.
     kv_cache_memory: bytes of KV cache (all layers, K and V) when ``num_blocks`` is not given.
     num_blocks: size of the block pool (block 0 is reserved).
@@ -71,15 +71,15 @@ class Engine:
         does not wait for code generation.
     """
 
-    def __init__(self, model: torch.nn.Module, tokenizer=None, *, kv_dtype: str = "auto", page_size: int = 16,
-                 prefix_caching: bool = True, kv_cache_memory: int = 256 << 20, num_blocks: int | None = None,
+    def __init__(self, model: torch.nn.Module, tokenizer=None, *, kv_dtype: str = "auto", weight_dtype: str = "auto",
+                 page_size: int = 16, prefix_caching: bool = True, kv_cache_memory: int = 256 << 20, num_blocks: int | None = None,
                  max_num_seqs: int = 8, max_tokens_per_step: int = 512, passes: Sequence = (),
                  dump_dir: str | None = None, draft=None, num_draft_tokens: int = 4, self_check: bool = True,
                  lowering: str | None = None, progress: Callable[[str], None] | None = None,
                  compile_in_background: bool = False):
         self.model, self.tokenizer = model, tokenizer
-        options = BackendOptions(kv_dtype=kv_dtype, page_size=page_size, passes=tuple(passes), dump_dir=dump_dir,
-                                 self_check=self_check, lowering=lowering)
+        options = BackendOptions(kv_dtype=kv_dtype, weight_dtype=weight_dtype, page_size=page_size,
+                                 passes=tuple(passes), dump_dir=dump_dir, self_check=self_check, lowering=lowering)
         t0 = time.perf_counter()
         self.program: DecoderProgram = compile_decoder(model, options, progress=progress)
         per_block = self.program.kv_bytes_per_token() * page_size

@@ -30,7 +30,7 @@ def test_plain_function_pass_runs_where_placed(tmp_path):
 
     result = _compile(make_family("nanogpt"), passes=[count_linears, before_annotate], dump_dir=str(tmp_path))
     names = [r.name for r in result.context.log]
-    assert names == ["normalize", "before_annotate", "annotate", "count_linears"]
+    assert names == ["normalize", "before_annotate", "annotate", "quantize_weights", "count_linears"]
     assert seen == [("before_annotate", False), ("plain", True)]
     assert result.context.log[-1].result.info["linears"] == 2 * 4 + 1
     log = (tmp_path / "pass_log.txt").read_text()

@@ -21,8 +21,10 @@ def make_proposer(draft, engine: "Engine") -> Proposer:
     from .model import ModelProposer, first_layers
     from .ngram import NgramProposer
 
-    def options() -> BackendOptions:  # a draft program is compiled like the target's
-        return BackendOptions(page_size=engine.page_size, lowering=engine.program.lowering)
+    def options() -> BackendOptions:  # a draft program is compiled like the target's (its cache and weight formats)
+        target = engine.program.compiled.context.options
+        return BackendOptions(page_size=engine.page_size, lowering=engine.program.lowering, kv_dtype=target.kv_dtype,
+                              weight_dtype=target.weight_dtype)
 
     if isinstance(draft, torch.nn.Module):
         program = compile_decoder(draft, options())
