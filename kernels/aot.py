@@ -103,6 +103,12 @@ class CompileResult:
     seconds: float
 
 
+def _ast_source(fn, signature: dict, constexprs: dict) -> triton.compiler.ASTSource:
+    """``fn`` specialized to ``constexprs`` (each marked in the signature) over the runtime ``signature``."""
+    signature = {**signature, **{name: "constexpr" for name in constexprs}}
+    return triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+
+
 def _cache_write_source(spec: KernelSpec) -> triton.compiler.ASTSource:
     t = _TRITON_TYPE[spec.dtype]
     signature = {
@@ -144,8 +150,7 @@ def _cache_write_quant_source(spec: KernelSpec) -> triton.compiler.ASTSource:
     else:
         constexprs = {"HEAD_DIM": spec.head_dim, "BLOCK_D": triton.next_power_of_2(spec.head_dim)}
         fn = _quant_cache_write_mod._cache_write_fp8_kernel
-    signature.update({name: "constexpr" for name in constexprs})
-    return triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+    return _ast_source(fn, signature, constexprs)
 
 
 def _paged_attention_source(spec: KernelSpec) -> triton.compiler.ASTSource:
@@ -179,10 +184,7 @@ def _paged_attention_source(spec: KernelSpec) -> triton.compiler.ASTSource:
         "HAS_ALIBI": spec.alibi,
         "INTERPRETER": False,
     })
-    signature.update({name: "constexpr" for name in constexprs})
-    return triton.compiler.ASTSource(
-        fn=_attention_kernel_mod.paged_attention_kernel, signature=signature, constexprs=constexprs
-    )
+    return _ast_source(_attention_kernel_mod.paged_attention_kernel, signature, constexprs)
 
 
 _QUANT_LINEAR_OPERANDS = {  # scheme -> (weight, scales) pointer types; None: the launcher passes None
@@ -211,10 +213,7 @@ def _quant_linear_source(spec: KernelSpec) -> triton.compiler.ASTSource:
         "BLOCK_K": _quant_linear_triton_mod.BLOCK_K,
         "INTERPRETER": False,
     })
-    signature.update({name: "constexpr" for name in constexprs})
-    return triton.compiler.ASTSource(
-        fn=_quant_linear_triton_mod.quant_linear_kernel, signature=signature, constexprs=constexprs
-    )
+    return _ast_source(_quant_linear_triton_mod.quant_linear_kernel, signature, constexprs)
 
 
 def _int4_groups(head_dim: int) -> tuple[int, int]:

@@ -4,7 +4,7 @@ Invariant: every rewritten linear computes ``quant_linear_ref(x, quantize_weight
 ``x @ dequantize(quantize(W)).T + b`` (for int4 with ``x`` on its per-32 int8 grid;
 ``kernels/quant_linear.py``); nothing else in the graph changes. The check is
 ``tests/test_quantize_weights.py``: the rewritten graph equals the original run through the
-reference op, and each scheme stays within its stated error of the float graph.
+reference op over the quantized weights.
 
 Before / after (int8)::
 
@@ -13,8 +13,9 @@ Before / after (int8)::
     y = specgraph.quant_linear(x, w_int8, w_int8_scale, b, "int8")
                                                   # w_int8: int8 [N, K], w_int8_scale: float32 [N]
 
-Which linears: ``aten.linear`` whose weight is a float ``get_attr`` constant of two dims; for
-int8 and int4 also an input size divisible by 32 (the activation block; int4: by its group).
+Which linears: ``aten.linear`` (and ``aten.addmm(b, x, w)``, GPT-2's Conv1D, whose ``w`` is
+stored transposed) whose weight is a float ``get_attr`` constant of two dims; for
+int4 also an input size divisible by 32 (the input rounding's block) and by the group.
 Others stay float and are counted in the pass log (``kept_float``). Bias stays float. A weight
 read by several linears (a tied LM head shares the embedding's) is quantized once per scheme.
 
@@ -62,39 +63,63 @@ def quantize_linears(gm: fx.GraphModule, scheme: str, lm_head: str | None = None
     named ``lm_head`` in ``HEAD_SCHEME``'s). Returns ``(rewritten, kept_float)``."""
     if scheme not in WEIGHT_SCHEMES:
         raise ValueError(f"unknown weight scheme {scheme!r}; valid: {', '.join(WEIGHT_SCHEMES)}")
-    quantized: dict[tuple[str, str], tuple[str, str | None]] = {}  # (weight, scheme) -> (data, scales) targets
+    quantized: dict[tuple, tuple[str, str | None]] = {}  # (weight, scheme, transposed) -> (data, scales) targets
     rewritten = kept = 0
     body_scheme = scheme
     for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.target != torch.ops.aten.linear.default or node.kwargs:
+        matched = _constant_weight_linear(gm, node)
+        if matched is None:
             continue
-        w_node = node.args[1]
-        w = attr_value(gm, w_node.target) if isinstance(w_node, fx.Node) and w_node.op == "get_attr" else None
-        if not (isinstance(w, torch.Tensor) and w.dim() == 2 and w.is_floating_point()):
-            continue
+        x, w_node, bias, transposed = matched
+        w = attr_value(gm, w_node.target)
+        w = w.t() if transposed else w
         k = w.shape[1]
         scheme = HEAD_SCHEME.get(body_scheme, body_scheme) if node.name == lm_head else body_scheme
         if scheme in ACT_QUANT_SCHEMES and (k % ACT_BLOCK or (scheme == "int4" and k % group)):
             kept += 1
             continue
-        if (w_node.target, scheme) not in quantized:
+        key = (w_node.target, scheme, transposed)
+        if key not in quantized:
             data, scales = quantize_weight(w, scheme, group)
-            stem = w_node.target.replace(".", "_") + f"_{scheme}"
+            stem = w_node.target.replace(".", "_") + f"_{scheme}" + ("_t" if transposed else "")
             gm.register_buffer(stem, data.to(w.device))
             if scales is not None:
                 gm.register_buffer(stem + "_scale", scales.to(w.device))
-            quantized[(w_node.target, scheme)] = (stem, stem + "_scale" if scales is not None else None)
-        data_target, scale_target = quantized[(w_node.target, scheme)]
+            quantized[key] = (stem, stem + "_scale" if scales is not None else None)
+        data_target, scale_target = quantized[key]
         with gm.graph.inserting_before(node):
             data_node = gm.graph.get_attr(data_target)
             scale_node = gm.graph.get_attr(scale_target) if scale_target is not None else None
-        bias = node.args[2] if len(node.args) > 2 else None
         node.target = torch.ops.specgraph.quant_linear.default
-        node.args = (node.args[0], data_node, scale_node, bias, scheme)
+        node.args, node.kwargs = (x, data_node, scale_node, bias, scheme), {}
         if not w_node.users:
             gm.graph.erase_node(w_node)
         rewritten += 1
     return rewritten, kept  # (each rewritten node keeps its output's metadata: same shape and dtype)
+
+
+def _constant_weight_linear(gm: fx.GraphModule, node: fx.Node):
+    """``(x, weight node, bias, transposed)`` when ``node`` is a linear over a float constant weight:
+    ``aten.linear(x, w[, b])`` (``w [N, K]``) or ``aten.addmm(b, x, w)`` with ``w [K, N]`` (GPT-2's
+    Conv1D); else None."""
+    if node.op != "call_function":
+        return None
+    if node.target == torch.ops.aten.linear.default and not node.kwargs:
+        x, w_node, bias, transposed = node.args[0], node.args[1], node.args[2] if len(node.args) > 2 else None, False
+    elif node.target == torch.ops.aten.addmm.default and not node.kwargs and len(node.args) == 3:
+        bias, x, w_node = node.args
+        transposed = True
+        if not (isinstance(bias, fx.Node) and bias.op == "get_attr"
+                and isinstance(attr_value(gm, bias.target), torch.Tensor) and attr_value(gm, bias.target).dim() == 1):
+            return None
+    else:
+        return None
+    if not (isinstance(w_node, fx.Node) and w_node.op == "get_attr"):
+        return None
+    w = attr_value(gm, w_node.target)
+    if not (isinstance(w, torch.Tensor) and w.dim() == 2 and w.is_floating_point()):
+        return None
+    return x, w_node, bias, transposed
 
 
 def dequantize_linears(gm: fx.GraphModule) -> int:

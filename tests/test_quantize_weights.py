@@ -144,17 +144,23 @@ def test_pass_invariant_each_linear_is_the_reference_over_its_quantized_weight(s
     assert F.cosine_similarity(got.flatten(), plain.flatten(), dim=0) > 0.98
 
 
-_KV_FOR = {"int8": "fp8", "int4": "auto", "fp8": "int4", "bfloat16": "fp8"}
+FAMILIES = ("llama", "gpt2", "nanogpt", "sdpa_gqa")
+KV_DTYPES = ("auto", "fp8", "int4")
 
 
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("weight_dtype", WEIGHT_SCHEMES)
-def test_greedy_speculation_with_quantized_weights_is_lossless(weight_dtype):
-    model = make_family("llama")
-    prompts = random_prompts("llama", [9, 6])
-    kv = _KV_FOR[weight_dtype]
+def test_greedy_speculation_with_quantized_weights_is_lossless(family, weight_dtype):
+    """Each weight dtype meets every KV dtype across the families; layer_skip shares the target's
+    quantized weights and cache; on llama also prompt lookup and a draft model."""
+    model = make_family(family)
+    prompts = random_prompts(family, [9, 6])
+    kv = KV_DTYPES[(FAMILIES.index(family) + WEIGHT_SCHEMES.index(weight_dtype)) % len(KV_DTYPES)]
     plain = specgraph.Engine(model, weight_dtype=weight_dtype, kv_dtype=kv, lowering="eager", num_blocks=64)
+    assert any(n.target == torch.ops.specgraph.quant_linear.default for n in plain.program.gm.graph.nodes)
     want = [r.token_ids for r in plain.generate(prompts, max_new_tokens=10)]
-    for draft in ("ngram:2", "layer_skip:1", make_family("llama", seed=1)):
+    drafts = ["layer_skip:1"] + (["ngram:2", make_family("llama", seed=1)] if family == "llama" else [])
+    for draft in drafts:
         spec = specgraph.Engine(model, weight_dtype=weight_dtype, kv_dtype=kv, lowering="eager", num_blocks=64,
                                 draft=draft, num_draft_tokens=3)
         got = [r.token_ids for r in spec.generate(prompts, max_new_tokens=10)]
