@@ -48,6 +48,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ppl-tokens", type=int, default=1024, help="tokens scored per text")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--no-llama-cpp", action="store_true")
+    p.add_argument("--no-accuracy", action="store_true", help="speed only")
     a = p.parse_args(argv)
     a.weight_dtypes = [w for w in a.weight_dtypes.split(",") if w]
     a.fp8_kv = [w for w in a.fp8_kv.split(",") if w]
@@ -134,7 +135,7 @@ def main(argv=None) -> int:
         bn[(w, kv)] = ModeResult(str(w), args.batch, [sg_generate(e, batch, args.new_tokens)]).decode_tok_s
     log("speed done; accuracy")
 
-    for (w, kv), e in engines.items():
+    for (w, kv), e in engines.items() if not args.no_accuracy else ():
         row = rows[(w, kv)]
         for name, ids in eval_ids.items():
             logp, top1 = e.score(ids, chunk_size=16, return_top1=True)
@@ -142,7 +143,7 @@ def main(argv=None) -> int:
             row[f"top1_{name}"] = top1
         row["greedy"] = [r.token_ids for r in e.generate(prompt_ids, max_new_tokens=args.new_tokens,
                                                          ignore_eos=True)]
-    ref = rows.get(("auto", "auto"))
+    ref = rows.get(("auto", "auto")) if not args.no_accuracy else None
 
     lines = [f"CPU: {cpu_description()}", f"threads {torch.get_num_threads()}; perplexity over {args.ppl_tokens} "
              f"tokens per text (chunks of 16); greedy over {len(prompt_ids)} prompts x {args.new_tokens} tokens"]
@@ -159,7 +160,7 @@ def main(argv=None) -> int:
             firsts = [next((i for i, (a, b) in enumerate(zip(g, r)) if a != b), len(r))
                       for g, r in zip(row["greedy"], ref["greedy"])]
             greedy = f"{sum(firsts) / len(firsts):.1f}/{args.new_tokens}"
-        ppl = [row["ppl_prose"], row["ppl_code"]]
+        ppl = [row.get("ppl_prose", float("nan")), row.get("ppl_code", float("nan"))]
         if ref is not None and (w, kv) != ("auto", "auto"):
             ppl = [f"{p:.3f} ({100 * (p / r - 1):+.2f}%)" for p, r in zip(ppl, (ref["ppl_prose"], ref["ppl_code"]))]
         else:
