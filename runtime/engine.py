@@ -60,6 +60,9 @@ class Engine:
         ``nn.Module`` with the same vocabulary, or any object implementing
         :class:`~specgraph.runtime.proposers.Proposer`; None disables speculation.
     num_draft_tokens: k, the drafts verified per target forward.
+    draft_weight_dtype: the weight storage of a draft ``nn.Module`` (None: the target's
+        ``weight_dtype``), e.g. an int4 draft for a float32 target; verification stays exact for the
+        target whatever the draft's weights. ``layer_skip`` runs on the target's own weights.
     self_check: after compiling, compare the incremental program with the cache-free model on random
         ids and raise ``UnsupportedModelError`` on a mismatch (see ``specgraph.compiler.self_check``).
     lowering: ``"inductor"`` (generated code, compiled here for every step shape, cached on disk),
@@ -74,7 +77,8 @@ class Engine:
     def __init__(self, model: torch.nn.Module, tokenizer=None, *, kv_dtype: str = "auto", weight_dtype: str = "auto",
                  page_size: int = 16, prefix_caching: bool = True, kv_cache_memory: int = 256 << 20, num_blocks: int | None = None,
                  max_num_seqs: int = 8, max_tokens_per_step: int = 512, passes: Sequence = (),
-                 dump_dir: str | None = None, draft=None, num_draft_tokens: int = 4, self_check: bool = True,
+                 dump_dir: str | None = None, draft=None, num_draft_tokens: int = 4,
+                 draft_weight_dtype: str | None = None, self_check: bool = True,
                  lowering: str | None = None, progress: Callable[[str], None] | None = None,
                  compile_in_background: bool = False):
         self.model, self.tokenizer = model, tokenizer
@@ -105,7 +109,9 @@ class Engine:
         if draft is not None:
             from .proposers import make_proposer
 
-            self.proposer = make_proposer(draft, self)
+            self.proposer = make_proposer(draft, self, weight_dtype=draft_weight_dtype)
+        elif draft_weight_dtype is not None:
+            raise ValueError(f"draft_weight_dtype={draft_weight_dtype!r} is given without a draft")
         # every cache tensor indexed by block id: copy-on-write must copy all of them
         self._all_caches = list(self.kv_cache)
         if getattr(self.proposer, "shares_target_cache", True) is False:

@@ -167,6 +167,38 @@ def test_greedy_speculation_with_quantized_weights_is_lossless(family, weight_dt
         assert got == want, f"draft {draft!r} changed the greedy output of a {weight_dtype} target ({kv} KV)"
 
 
+@pytest.mark.parametrize("target_dtype, draft_dtype", [("auto", "int4"), ("int8", "auto"), ("fp8", "int8")])
+def test_a_draft_model_may_use_its_own_weight_dtype(target_dtype, draft_dtype):
+    """A draft model quantized differently from the target leaves the target's greedy output as it is;
+    its own linears really are in the draft's format."""
+    model, draft = make_family("llama"), make_family("llama", seed=1)
+    prompts = random_prompts("llama", [9, 6])
+    plain = specgraph.Engine(model, weight_dtype=target_dtype, lowering="eager", num_blocks=64)
+    want = [r.token_ids for r in plain.generate(prompts, max_new_tokens=10)]
+    spec = specgraph.Engine(model, weight_dtype=target_dtype, lowering="eager", num_blocks=64, draft=draft,
+                            draft_weight_dtype=draft_dtype, num_draft_tokens=3)
+    assert [r.token_ids for r in spec.generate(prompts, max_new_tokens=10)] == want
+    assert spec.stats["draft_tokens"] > 0
+
+    def schemes(gm):
+        return {n.args[4] for n in gm.graph.nodes if n.target == torch.ops.specgraph.quant_linear.default}
+
+    assert schemes(spec.program.gm) == ({target_dtype, HEAD_SCHEME.get(target_dtype, target_dtype)}
+                                        if target_dtype != "auto" else set())
+    assert schemes(spec.proposer.program.gm) == ({draft_dtype, HEAD_SCHEME.get(draft_dtype, draft_dtype)}
+                                                 if draft_dtype != "auto" else set())
+
+
+@pytest.mark.parametrize("draft", ["layer_skip:1", "ngram:2"])
+def test_a_draft_without_weights_of_its_own_refuses_another_weight_dtype(draft):
+    model = make_family("llama")
+    with pytest.raises(ValueError, match=r"draft_weight_dtype='int4' needs a draft model"):
+        specgraph.Engine(model, weight_dtype="int8", lowering="eager", num_blocks=64, draft=draft,
+                         draft_weight_dtype="int4")
+    with pytest.raises(ValueError, match="draft_weight_dtype='int4' is given without a draft"):
+        specgraph.Engine(model, lowering="eager", num_blocks=64, draft_weight_dtype="int4")
+
+
 def test_generated_code_calls_the_native_quantized_linear(tmp_path):
     """The inductor lowering keeps quantized linears as calls of the C++ kernel (one graph per step
     shape) and generates the same tokens as the eager lowering."""

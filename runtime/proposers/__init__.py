@@ -14,20 +14,30 @@ SPECS = ("ngram", "ngram:N", "layer_skip:K", "an nn.Module draft model with the 
          "an object implementing Proposer")
 
 
-def make_proposer(draft, engine: "Engine") -> Proposer:
-    """``"ngram"``, ``"ngram:N"``, ``"layer_skip:K"``, a draft ``nn.Module`` or a ready proposer -> a proposer."""
+def make_proposer(draft, engine: "Engine", weight_dtype: str | None = None) -> Proposer:
+    """``"ngram"``, ``"ngram:N"``, ``"layer_skip:K"``, a draft ``nn.Module`` or a ready proposer -> a proposer.
+
+    ``weight_dtype``: the storage of a draft model's linears (None: the target's). Only a draft
+    ``nn.Module`` has weights of its own; ``layer_skip`` runs on the target's weights, so it takes
+    the target's dtype, and asking for another is an error rather than a silent copy.
+    """
     from ...compiler.options import BackendOptions
     from ...compiler.program import compile_decoder
     from .model import ModelProposer, first_layers
     from .ngram import NgramProposer
 
-    def options() -> BackendOptions:  # a draft program is compiled like the target's (its cache and weight formats)
-        target = engine.program.compiled.context.options
+    target = engine.program.compiled.context.options
+    if weight_dtype is not None and not isinstance(draft, torch.nn.Module) and weight_dtype != target.weight_dtype:
+        owner = "it runs on the target's weights" if str(draft).startswith("layer_skip") else "it has no weights"
+        raise ValueError(f"draft_weight_dtype={weight_dtype!r} needs a draft model: draft={draft!r} takes the "
+                         f"target's weight_dtype={target.weight_dtype!r} ({owner})")
+
+    def options(weight_dtype: str) -> BackendOptions:  # a draft program shares the target's cache format
         return BackendOptions(page_size=engine.page_size, lowering=engine.program.lowering, kv_dtype=target.kv_dtype,
-                              weight_dtype=target.weight_dtype)
+                              weight_dtype=weight_dtype)
 
     if isinstance(draft, torch.nn.Module):
-        program = compile_decoder(draft, options())
+        program = compile_decoder(draft, options(weight_dtype or target.weight_dtype))
         if program.vocab_size != engine.program.vocab_size:
             raise ValueError(f"draft model vocabulary {program.vocab_size} != target vocabulary "
                              f"{engine.program.vocab_size}; speculative decoding needs the same tokenizer")
@@ -46,7 +56,7 @@ def make_proposer(draft, engine: "Engine") -> Proposer:
             raise ValueError(f"draft={draft!r}: layer_skip needs a layer count, e.g. 'layer_skip:8'")
         keep = int(arg)
         model = first_layers(engine.model, engine.program.num_layers, keep)
-        program = compile_decoder(model, options())
+        program = compile_decoder(model, options(target.weight_dtype))
         program.compile_steps(engine.kv_cache[:keep], engine.table_width)
         return ModelProposer(draft, program, engine.kv_cache[:keep], engine.kv, engine.page_size,
                              shares_target_cache=True)
