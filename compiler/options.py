@@ -37,6 +37,11 @@ class BackendOptions:
         per 32 values); under int4 and fp8 the LM head is int8. The ``quantize_weights`` pass
         rewrites the linears (formats in ``specgraph/kernels/quant_linear.py``); the embedding
         table stays float.
+    weight_calibration:
+        Token ids the int8 and fp8 weights (and the 8-bit LM head under int4) are calibrated on:
+        GPTQ picks each weight's code from its linear's inputs on these tokens instead of the
+        nearest one (``specgraph/compiler/calibration.py``). Empty: nearest. The Engine fills it
+        from a built-in text when it has a tokenizer.
     passes:
         User passes: plain callables ``fn(gm, ctx)`` or ``@specgraph.graph_pass`` objects. A
         plain callable without placement runs after every built-in pass.
@@ -68,6 +73,7 @@ class BackendOptions:
     kv_dtype: str = "auto"
     page_size: int = 16
     weight_dtype: str = "auto"
+    weight_calibration: tuple[int, ...] = ()
     passes: Sequence[Callable[..., Any]] = field(default_factory=tuple)
     dump_dir: str | None = None
     check: str = "off"
@@ -81,6 +87,10 @@ class BackendOptions:
             raise ValueError(f"kv_dtype={self.kv_dtype!r} is not supported; valid: {', '.join(KV_DTYPES)}")
         if self.weight_dtype not in WEIGHT_DTYPES:
             raise ValueError(f"weight_dtype={self.weight_dtype!r} is not supported; valid: {', '.join(WEIGHT_DTYPES)}")
+        calibration = tuple(self.weight_calibration)
+        if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in calibration):
+            raise ValueError("weight_calibration must be a sequence of token ids (non-negative ints)")
+        object.__setattr__(self, "weight_calibration", calibration)
         if self.page_size not in PAGE_SIZES:
             raise ValueError(f"page_size={self.page_size!r} is not supported; valid: {PAGE_SIZES}")
         if self.lowering is None:

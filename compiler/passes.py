@@ -68,6 +68,7 @@ class PassContext:
     signature: DecoderSignature = field(default_factory=DecoderSignature)
     kv_scheme: Any = None  # kernels.quant.QuantScheme once kv_quant quantized the cache
     selects_logits: bool = False  # select_logits made the LM head read only logits_indices rows
+    calibration: Any = None  # compiler.calibration.Calibration once quantize_weights calibrated
     log: list[PassRecord] = field(default_factory=list)
 
 

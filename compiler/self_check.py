@@ -103,12 +103,13 @@ def self_check(program: DecoderProgram, kv_dtype: str = "auto", seed: int = 0) -
     from ..passes.quantize_weights import lm_head_name
 
     scheme, head = ctx.options.weight_scheme, lm_head_name(ctx.analysis.logits)
-    reference = _Reference(_with_weights(ctx.cache_free_gm, scheme, head), ctx.analysis)
+    reference = _Reference(_with_weights(ctx.cache_free_gm, scheme, head, calibration=ctx.calibration), ctx.analysis)
     lossy = _lossy_parts(ctx.options, kv_dtype)
     if lossy:
         twin_reference = reference
         if scheme in ACT_QUANT_SCHEMES:
-            twin_reference = _Reference(_with_weights(ctx.cache_free_gm, scheme, head, dequantized=True), ctx.analysis)
+            twin_reference = _Reference(_with_weights(ctx.cache_free_gm, scheme, head, dequantized=True,
+                                                      calibration=ctx.calibration), ctx.analysis)
         _check(float_twin(program), twin_reference, "auto", seed)
     _check(program, reference, kv_dtype, seed, lossy)
     return time.perf_counter() - t0
@@ -124,17 +125,19 @@ def _lossy_parts(options, kv_dtype: str) -> str | None:
     return " and ".join(parts) or None
 
 
-def _with_weights(gm: fx.GraphModule, scheme: str | None, lm_head: str | None, dequantized: bool = False) -> fx.GraphModule:
-    """The cache-free graph with the program's weight format (``weight_dtype``), so that the check
-    compares like with like: quantized weights are a chosen loss, not the cache passes' business.
-    ``dequantized``: float linears over the quantized weights' values (no input rounding)."""
+def _with_weights(gm: fx.GraphModule, scheme: str | None, lm_head: str | None, dequantized: bool = False,
+                  calibration=None) -> fx.GraphModule:
+    """The cache-free graph with the program's weight format (``weight_dtype``) and codes (the same
+    ``calibration``), so that the check compares like with like: quantized weights are a chosen
+    loss, not the cache passes' business. ``dequantized``: float linears over the quantized
+    weights' values (no input rounding)."""
     if scheme is None:
         return gm
     from ..passes.quantize_weights import dequantize_linears, quantize_linears
     from .passes import copy_graph_module
 
     gm = copy_graph_module(gm)
-    quantize_linears(gm, scheme, lm_head)
+    quantize_linears(gm, scheme, lm_head, calibration=calibration)
     if dequantized:
         dequantize_linears(gm)
     gm.recompile()

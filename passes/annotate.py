@@ -4,8 +4,9 @@ Invariant: the graph is not changed. Afterwards ``ctx.analysis`` holds the
 :class:`~specgraph.compiler.analysis.GraphAnalysis` (attention sites, positions, embedding,
 logits) and every node's ``meta["sym_shape"]`` holds its shape as sympy expressions
 (``(1, s0, 576)``), so later passes and the dumps reason about sizes without guarding on them.
-With ``options.self_check``, ``ctx.cache_free_gm`` keeps a copy of the graph as analysed (weights
-shared), attention outputs tagged ``meta["attention_site"]``: the compile-time self-check's reference.
+With ``options.self_check`` (or ``weight_calibration``), ``ctx.cache_free_gm`` keeps a copy of the
+graph as analysed (weights shared), attention outputs tagged ``meta["attention_site"]``: the
+compile-time self-check's reference, and what weight calibration runs.
 """
 from __future__ import annotations
 
@@ -48,7 +49,7 @@ def annotate(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     sites = ctx.analysis.sites
     for site in sites:
         site.output.meta["attention_site"] = site.layer
-    if ctx.options.self_check:
+    if ctx.options.self_check or ctx.options.weight_calibration:
         ctx.cache_free_gm = copy_graph_module(gm)
         ctx.cache_free_inputs = dict(ctx.sample_inputs)
     return PassResult(modified=False, matched=len(sites), info={"attention_sites": len(sites)})

@@ -17,7 +17,8 @@ Before / after::
     q, k, v = aten.split_with_sizes(qkv, [dq, dk, dv], -1)
 
 Only linears whose weights (and biases, all or none) are graph constants (``get_attr``) of the
-same dtype and device are fused; the stacked weight is a new buffer of the graph module.
+same dtype and device are fused; the stacked weight is a new buffer of the graph module, and the
+stacked linear's ``meta["fused_from"]`` lists ``(weight name, rows)`` of its parts in order.
 """
 from __future__ import annotations
 
@@ -76,6 +77,8 @@ def fuse_linears(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             w_node = g.get_attr(f"{name}_weight")
             args = (key[0], w_node) + ((g.get_attr(f"{name}_bias"),) if has_bias else ())
             stacked = g.call_function(aten.linear.default, args)
+            # which weights the stacked rows came from (calibrated quantization solves each on its own)
+            stacked.meta["fused_from"] = [(n.args[1].target, w.shape[0]) for n, w in zip(nodes, weights)]
             parts = g.call_function(aten.split_with_sizes.default, (stacked, [w.shape[0] for w in weights], -1))
             outs = [g.call_function(operator.getitem, (parts, i)) for i in range(len(nodes))]
         for old, new in zip(nodes, outs):

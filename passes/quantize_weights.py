@@ -1,10 +1,13 @@
 """quantize_weights: linears over constant weights read those weights quantized (``weight_dtype``).
 
-Invariant: every rewritten linear computes ``quant_linear_ref(x, quantize_weight(W), b)``, i.e.
-``x @ dequantize(quantize(W)).T + b`` (for int4 with ``x`` on its per-32 int8 grid;
-``kernels/quant_linear.py``); nothing else in the graph changes. The check is
+Invariant: every rewritten linear computes ``quant_linear_ref(x, Q(W), b)``, i.e.
+``x @ dequantize(Q(W)).T + b`` (for int4 with ``x`` on its per-32 int8 grid;
+``kernels/quant_linear.py``), where ``Q(W)`` is ``quantize_weight(W)`` (nearest codes) or, with
+``options.weight_calibration``, GPTQ's codes in the same format and scales
+(``compiler/calibration.py``); nothing else in the graph changes. The check is
 ``tests/test_quantize_weights.py``: the rewritten graph equals the original run through the
-reference op over the quantized weights.
+reference op over the quantized weights (and the compile-time self-check compares the program with
+the cache-free graph holding the same codes).
 
 Before / after (int8)::
 
@@ -33,12 +36,18 @@ of it every step: on SmolLM2 it is a fifth of the weights).
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.fx as fx
 
+from ..compiler.calibration import context_calibration
 from ..compiler.passes import PassContext, PassResult
 from ..kernels.quant_linear import ACT_BLOCK, ACT_QUANT_SCHEMES, WEIGHT_SCHEMES, dequantize_weight, quantize_weight
 from .graph_utils import attr_value
+
+if TYPE_CHECKING:
+    from ..compiler.calibration import Calibration
 
 INT4_GROUP = 32  # columns per (scale, min) pair of an int4 weight
 HEAD_SCHEME = {"int4": "int8", "fp8": "int8"}  # the LM head's scheme where it differs (module docstring)
@@ -57,17 +66,18 @@ def lm_head_name(logits: fx.Node | None) -> str | None:
     return None
 
 
-def quantize_linears(gm: fx.GraphModule, scheme: str, lm_head: str | None = None,
-                     group: int = INT4_GROUP) -> tuple[int, int]:
+def quantize_linears(gm: fx.GraphModule, scheme: str, lm_head: str | None = None, group: int = INT4_GROUP,
+                     calibration: "Calibration | None" = None) -> tuple[int, int]:
     """Rewrite ``gm``'s constant-weight linears to ``specgraph::quant_linear`` in ``scheme`` (the node
-    named ``lm_head`` in ``HEAD_SCHEME``'s). Returns ``(rewritten, kept_float)``."""
+    named ``lm_head`` in ``HEAD_SCHEME``'s). With ``calibration``, int8 and fp8 weights get GPTQ's
+    codes (``compiler/calibration.py``), else the nearest ones. Returns ``(rewritten, kept_float)``."""
     if scheme not in WEIGHT_SCHEMES:
         raise ValueError(f"unknown weight scheme {scheme!r}; valid: {', '.join(WEIGHT_SCHEMES)}")
     quantized: dict[tuple, tuple[str, str | None]] = {}  # (weight, scheme, transposed) -> (data, scales) targets
     rewritten = kept = 0
     body_scheme = scheme
     for node in list(gm.graph.nodes):
-        matched = _constant_weight_linear(gm, node)
+        matched = constant_weight_linear(gm, node)
         if matched is None:
             continue
         x, w_node, bias, transposed = matched
@@ -80,7 +90,8 @@ def quantize_linears(gm: fx.GraphModule, scheme: str, lm_head: str | None = None
             continue
         key = (w_node.target, scheme, transposed)
         if key not in quantized:
-            data, scales = quantize_weight(w, scheme, group)
+            parts = node.meta.get("fused_from") or [(w_node.target, w.shape[0])]
+            data, scales = _quantize(w, scheme, group, parts, calibration)
             stem = w_node.target.replace(".", "_") + f"_{scheme}" + ("_t" if transposed else "")
             gm.register_buffer(stem, data.to(w.device))
             if scales is not None:
@@ -98,7 +109,17 @@ def quantize_linears(gm: fx.GraphModule, scheme: str, lm_head: str | None = None
     return rewritten, kept  # (each rewritten node keeps its output's metadata: same shape and dtype)
 
 
-def _constant_weight_linear(gm: fx.GraphModule, node: fx.Node):
+def _quantize(w: torch.Tensor, scheme: str, group: int, parts: list[tuple[str, int]],
+              calibration: "Calibration | None") -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``w``'s codes and scales: calibrated when every part (``(weight name, rows)``, stacked in
+    order) has statistics, else rounded to nearest."""
+    solved = calibration.quantize(parts, w, scheme) if calibration is not None else None
+    if solved is not None:
+        return solved[0].to(w.device), solved[1].to(w.device)
+    return quantize_weight(w, scheme, group)
+
+
+def constant_weight_linear(gm: fx.GraphModule, node: fx.Node):
     """``(x, weight node, bias, transposed)`` when ``node`` is a linear over a float constant weight:
     ``aten.linear(x, w[, b])`` (``w [N, K]``) or ``aten.addmm(b, x, w)`` with ``w [K, N]`` (GPT-2's
     Conv1D); else None."""
@@ -150,6 +171,10 @@ def quantize_weights(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     if scheme is None:
         return PassResult(modified=False)
     head = lm_head_name(ctx.analysis.logits) if ctx.analysis is not None else None
-    rewritten, kept = quantize_linears(gm, scheme, head)
-    return PassResult(modified=rewritten > 0, matched=rewritten, info={"kept_float": kept} if kept else {},
+    calibration = context_calibration(ctx)
+    rewritten, kept = quantize_linears(gm, scheme, head, calibration=calibration)
+    info = {"kept_float": kept} if kept else {}
+    if calibration is not None:
+        info["calibration_tokens"] = calibration.tokens
+    return PassResult(modified=rewritten > 0, matched=rewritten, info=info,
                       check_atol=float("inf"))  # lossy by design: tests/test_quantize_weights.py states the bounds

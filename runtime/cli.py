@@ -73,6 +73,7 @@ def _engine(args, model, tokenizer):
     if args.threads:
         torch.set_num_threads(args.threads)
     kwargs = dict(kv_dtype=args.kv_dtype, weight_dtype=args.weight_dtype, page_size=args.page_size, prefix_caching=args.prefix_caching,
+                  weight_calibration=None if args.weight_calibration == "none" else "builtin",
                   max_num_seqs=args.max_num_seqs, dump_dir=getattr(args, "dump_dir", None), draft=args.draft,
                   num_draft_tokens=args.num_draft_tokens, lowering=args.lowering,
                   compile_in_background=True)  # answer at once on the eager lowering, switch when compiled
@@ -197,6 +198,8 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-dtype", default="auto", choices=KV_DTYPES)
     p.add_argument("--weight-dtype", default="auto", choices=WEIGHT_DTYPES,
                    help="storage of the linears' weights (int8/int4/fp8/bfloat16: quantized at compile time)")
+    p.add_argument("--weight-calibration", default="builtin", choices=("builtin", "none"),
+                   help="int8/fp8 codes chosen by GPTQ on a built-in text (builtin) or rounded to nearest (none)")
     p.add_argument("--page-size", type=int, default=16, choices=PAGE_SIZES)
     p.add_argument("--lowering", default=None, choices=LOWERINGS,
                    help="generated code (inductor, the default) or the graph op by op (eager)")

@@ -43,6 +43,24 @@ def _eos_ids(model: torch.nn.Module, tokenizer) -> set[int]:
     return ids
 
 
+def _calibration_ids(calibration, weight_dtype: str, tokenizer) -> tuple[int, ...]:
+    """``Engine(weight_calibration=...)`` -> the token ids for ``BackendOptions`` (() when the weight
+    dtype has nothing to calibrate)."""
+    from ..compiler.calibration import builtin_calibration_ids, calibrates
+
+    if calibration is None or not calibrates(weight_dtype):
+        return ()
+    if isinstance(calibration, str):
+        if tokenizer is None:
+            if calibration == "builtin":
+                return ()  # nothing to tokenize the built-in text with: nearest rounding
+            raise ValueError("weight_calibration given as text needs a tokenizer; pass token ids instead")
+        if calibration == "builtin":
+            return builtin_calibration_ids(tokenizer)
+        return tuple(tokenizer(calibration, add_special_tokens=False)["input_ids"])
+    return tuple(calibration)
+
+
 class Engine:
     """Generation on a specgraph-compiled decoder.
 
@@ -51,6 +69,9 @@ class Engine:
     model: a Hugging Face causal LM or any module mapping ids ``[1, T]`` to logits.
     tokenizer: optional; needed for string prompts, ``.text`` and stop strings.
     kv_dtype, weight_dtype, page_size: see :class:`~specgraph.BackendOptions`.
+    weight_calibration: what int8/fp8 weights are calibrated on (GPTQ, ``compiler/calibration.py``):
+        ``"builtin"`` (a built-in text, when there is a tokenizer; without one the weights are
+        rounded to nearest), a text, token ids, or None (round to nearest).
     prefix_caching: reuse cached full blocks of earlier prompts.
     kv_cache_memory: bytes of KV cache (all layers, K and V) when ``num_blocks`` is not given.
     num_blocks: size of the block pool (block 0 is reserved).
@@ -75,6 +96,7 @@ class Engine:
     """
 
     def __init__(self, model: torch.nn.Module, tokenizer=None, *, kv_dtype: str = "auto", weight_dtype: str = "auto",
+                 weight_calibration: str | Sequence[int] | None = "builtin",
                  page_size: int = 16, prefix_caching: bool = True, kv_cache_memory: int = 256 << 20, num_blocks: int | None = None,
                  max_num_seqs: int = 8, max_tokens_per_step: int = 512, passes: Sequence = (),
                  dump_dir: str | None = None, draft=None, num_draft_tokens: int = 4,
@@ -82,7 +104,9 @@ class Engine:
                  lowering: str | None = None, progress: Callable[[str], None] | None = None,
                  compile_in_background: bool = False):
         self.model, self.tokenizer = model, tokenizer
-        options = BackendOptions(kv_dtype=kv_dtype, weight_dtype=weight_dtype, page_size=page_size,
+        calibration = _calibration_ids(weight_calibration, weight_dtype, tokenizer)
+        options = BackendOptions(kv_dtype=kv_dtype, weight_dtype=weight_dtype, weight_calibration=calibration,
+                                 page_size=page_size,
                                  passes=tuple(passes), dump_dir=dump_dir, self_check=self_check, lowering=lowering)
         t0 = time.perf_counter()
         self.program: DecoderProgram = compile_decoder(model, options, progress=progress)

@@ -212,3 +212,85 @@ def test_generated_code_calls_the_native_quantized_linear(tmp_path):
     assert [r.token_ids for r in compiled.generate(prompts, max_new_tokens=6)] == want
     bucket = (tmp_path / "inductor_bucket1.py").read_text()
     assert "specgraph_cpu::quant_linear" in bucket
+
+
+# ------------------------------------------------------------------ calibrated (GPTQ) codes
+def _correlated_inputs(rows: int, k: int, seed: int, draw: int = 0) -> torch.Tensor:
+    """Inputs with correlated columns and a few outlier columns, as a transformer's are: the
+    distribution is fixed by ``seed``, the sample by ``draw``."""
+    gen = torch.Generator().manual_seed(seed)
+    mix = torch.randn(k, k, generator=gen) / k ** 0.5 + torch.eye(k)
+    outliers = torch.randperm(k, generator=gen)[:3]
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(10_000 + draw)) @ mix
+    x[:, outliers] *= 8.0
+    return x
+
+
+@pytest.mark.parametrize("scheme", ["int8", "fp8"])
+@settings(max_examples=6, deadline=None)
+@given(n=st.integers(16, 48), k=st.sampled_from([16, 48, 160]), seed=st.integers(0, 1000))
+def test_gptq_codes_keep_the_format_and_cut_the_output_error(scheme, n, k, seed):
+    """Same per-channel scales as nearest rounding, codes on the format's grid, and a smaller output
+    error on the calibration inputs and on held-out inputs of the same distribution (summed over
+    rows: GPTQ is greedy, so one row alone may come out slightly worse)."""
+    from specgraph.compiler.calibration import gptq_quantize
+
+    gen = torch.Generator().manual_seed(seed + 1)
+    w = torch.randn(n, k, generator=gen)
+    x = _correlated_inputs(4 * k, k, seed)
+    data, scales = gptq_quantize(w, x.T @ x / x.shape[0], scheme)
+    near_data, near_scales = quantize_weight(w, scheme)
+    assert data.dtype == near_data.dtype and data.shape == near_data.shape
+    assert torch.equal(scales, near_scales)
+    if scheme == "int8":
+        assert int(data.abs().max()) <= 127
+
+    def error(inputs, d):
+        return float(((inputs @ (w - dequantize_weight(d, scales, scheme)).T) ** 2).sum())
+
+    for inputs in (x, _correlated_inputs(4 * k, k, seed, draw=1)):  # calibration, then held out
+        assert error(inputs, data) < error(inputs, near_data)
+
+
+def test_gptq_solves_rows_independently():
+    """A stacked (fused) weight gets the rows its parts get alone: the fused program and the unfused
+    reference the self-check runs hold the very same codes."""
+    from specgraph.compiler.calibration import gptq_quantize
+
+    w, x = torch.randn(40, 64), _correlated_inputs(256, 64, 0)
+    h = x.T @ x / 256
+    whole = gptq_quantize(w, h, "fp8")
+    parts = [gptq_quantize(w[a:b], h, "fp8") for a, b in ((0, 24), (24, 32), (32, 40))]
+    assert torch.equal(whole[0].view(torch.uint8), torch.cat([p[0] for p in parts]).view(torch.uint8))
+    assert torch.equal(whole[1], torch.cat([p[1] for p in parts]))
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_calibrated_weights_are_checked_and_lossless_under_speculation(family):
+    """An fp8 program calibrated on token ids passes the compile-time self-check (its reference
+    holds the same codes), differs from nearest rounding, and greedy speculation stays exact."""
+    model = make_family(family)
+    ids = torch.randint(0, 64, (300,), generator=torch.Generator().manual_seed(3)).tolist()
+    prompts = random_prompts(family, [9, 6])
+    calibrated = specgraph.Engine(model, weight_dtype="fp8", weight_calibration=ids, lowering="eager", num_blocks=64)
+    nearest = specgraph.Engine(model, weight_dtype="fp8", weight_calibration=None, lowering="eager", num_blocks=64)
+    record = next(r for r in calibrated.program.compiled.context.log if r.name == "quantize_weights")
+    assert record.result.info["calibration_tokens"] == 300
+    codes = {n: b for n, b in calibrated.program.gm.named_buffers() if b.dtype == torch.float8_e4m3fn}
+    other = dict(nearest.program.gm.named_buffers())
+    assert codes and all(not torch.equal(b.view(torch.uint8), other[n].view(torch.uint8)) for n, b in codes.items())
+    want = [r.token_ids for r in calibrated.generate(prompts, max_new_tokens=8)]
+    spec = specgraph.Engine(model, weight_dtype="fp8", weight_calibration=ids, lowering="eager", num_blocks=64,
+                            draft="layer_skip:1", num_draft_tokens=3)
+    assert [r.token_ids for r in spec.generate(prompts, max_new_tokens=8)] == want
+
+
+def test_bad_calibration_is_a_clear_error():
+    model = make_family("llama")
+    with pytest.raises(ValueError, match="outside the model's vocabulary"):
+        specgraph.Engine(model, weight_dtype="int8", weight_calibration=[1, 2, 10 ** 6], lowering="eager",
+                         num_blocks=64)
+    with pytest.raises(ValueError, match="needs a tokenizer"):
+        specgraph.Engine(model, weight_dtype="int8", weight_calibration="some text", lowering="eager", num_blocks=64)
+    with pytest.raises(ValueError, match="token ids"):
+        specgraph.BackendOptions(weight_calibration=("a",))

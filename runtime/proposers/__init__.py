@@ -34,7 +34,7 @@ def make_proposer(draft, engine: "Engine", weight_dtype: str | None = None) -> P
 
     def options(weight_dtype: str) -> BackendOptions:  # a draft program shares the target's cache format
         return BackendOptions(page_size=engine.page_size, lowering=engine.program.lowering, kv_dtype=target.kv_dtype,
-                              weight_dtype=weight_dtype)
+                              weight_dtype=weight_dtype, weight_calibration=target.weight_calibration)
 
     if isinstance(draft, torch.nn.Module):
         program = compile_decoder(draft, options(weight_dtype or target.weight_dtype))
