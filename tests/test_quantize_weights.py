@@ -68,11 +68,14 @@ def _rounding_slack(x: torch.Tensor, w: torch.Tensor, scheme: str) -> float:
 @settings(max_examples=60, deadline=None)
 @given(scheme=st.sampled_from(WEIGHT_SCHEMES), group=st.sampled_from([32, 64]), rows=st.integers(1, 12),
        n=st.integers(1, 70), blocks=st.integers(1, 6), bias=st.booleans(), zero_block=st.booleans(),
-       seed=st.integers(0, 2**16))
-def test_cpp_kernel_matches_reference(scheme, group, rows, n, blocks, bias, zero_block, seed):
+       seed=st.integers(0, 2**16), tail=st.booleans())
+def test_cpp_kernel_matches_reference(scheme, group, rows, n, blocks, bias, zero_block, seed, tail):
+    """``tail``: an input size of 8 mod 16 for the widened formats (the 8-wide loop where the
+    kernel otherwise takes 16 at a time)."""
     cpp = _cpp()
     gen = torch.Generator().manual_seed(seed)
     k = blocks * 64 if scheme == "int4" and group == 64 else blocks * ACT_BLOCK
+    k += 8 if tail and scheme not in ACT_QUANT_SCHEMES else 0
     w = torch.randn(n, k, generator=gen) * 0.2
     x = torch.randn(rows, k, generator=gen) * (1 + 10 * torch.rand(1, k, generator=gen))  # outlier columns
     if zero_block:

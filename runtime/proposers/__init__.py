@@ -26,18 +26,21 @@ def make_proposer(draft, engine: "Engine", weight_dtype: str | None = None) -> P
     from .model import ModelProposer, first_layers
     from .ngram import NgramProposer
 
-    target = engine.program.compiled.context.options
-    if weight_dtype is not None and not isinstance(draft, torch.nn.Module) and weight_dtype != target.weight_dtype:
+    def target() -> BackendOptions:  # read only for drafts compiled here (a ready proposer may wrap any program)
+        return engine.program.compiled.context.options
+
+    if weight_dtype is not None and not isinstance(draft, torch.nn.Module) and weight_dtype != target().weight_dtype:
         owner = "it runs on the target's weights" if str(draft).startswith("layer_skip") else "it has no weights"
         raise ValueError(f"draft_weight_dtype={weight_dtype!r} needs a draft model: draft={draft!r} takes the "
-                         f"target's weight_dtype={target.weight_dtype!r} ({owner})")
+                         f"target's weight_dtype={target().weight_dtype!r} ({owner})")
 
-    def options(weight_dtype: str) -> BackendOptions:  # a draft program shares the target's cache format
-        return BackendOptions(page_size=engine.page_size, lowering=engine.program.lowering, kv_dtype=target.kv_dtype,
-                              weight_dtype=weight_dtype, weight_calibration=target.weight_calibration)
+    def options(weight_dtype: str | None = None) -> BackendOptions:  # the target's cache format and calibration
+        t = target()
+        return BackendOptions(page_size=engine.page_size, lowering=engine.program.lowering, kv_dtype=t.kv_dtype,
+                              weight_dtype=weight_dtype or t.weight_dtype, weight_calibration=t.weight_calibration)
 
     if isinstance(draft, torch.nn.Module):
-        program = compile_decoder(draft, options(weight_dtype or target.weight_dtype))
+        program = compile_decoder(draft, options(weight_dtype))
         if program.vocab_size != engine.program.vocab_size:
             raise ValueError(f"draft model vocabulary {program.vocab_size} != target vocabulary "
                              f"{engine.program.vocab_size}; speculative decoding needs the same tokenizer")
@@ -56,7 +59,7 @@ def make_proposer(draft, engine: "Engine", weight_dtype: str | None = None) -> P
             raise ValueError(f"draft={draft!r}: layer_skip needs a layer count, e.g. 'layer_skip:8'")
         keep = int(arg)
         model = first_layers(engine.model, engine.program.num_layers, keep)
-        program = compile_decoder(model, options(target.weight_dtype))
+        program = compile_decoder(model, options())
         program.compile_steps(engine.kv_cache[:keep], engine.table_width)
         return ModelProposer(draft, program, engine.kv_cache[:keep], engine.kv, engine.page_size,
                              shares_target_cache=True)
