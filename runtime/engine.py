@@ -133,7 +133,10 @@ class Engine:
         if draft is not None:
             from .proposers import make_proposer
 
-            self.proposer = make_proposer(draft, self, weight_dtype=draft_weight_dtype)
+            draft_calibration = None  # the target's
+            if draft_weight_dtype is not None:
+                draft_calibration = _calibration_ids(weight_calibration, draft_weight_dtype, tokenizer)
+            self.proposer = make_proposer(draft, self, weight_dtype=draft_weight_dtype, calibration=draft_calibration)
         elif draft_weight_dtype is not None:
             raise ValueError(f"draft_weight_dtype={draft_weight_dtype!r} is given without a draft")
         # every cache tensor indexed by block id: copy-on-write must copy all of them

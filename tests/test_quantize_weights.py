@@ -192,6 +192,17 @@ def test_a_draft_model_may_use_its_own_weight_dtype(target_dtype, draft_dtype):
                                                  if draft_dtype != "auto" else set())
 
 
+def test_a_quantized_draft_under_a_float_target_is_calibrated():
+    """The target's float weights need no calibration; the draft's int8 weights get their own."""
+    model, draft = make_family("llama"), make_family("llama", seed=1)
+    ids = torch.randint(0, 64, (200,), generator=torch.Generator().manual_seed(5)).tolist()
+    spec = specgraph.Engine(model, weight_calibration=ids, lowering="eager", num_blocks=64, draft=draft,
+                            draft_weight_dtype="int8", num_draft_tokens=3)
+    assert spec.program.compiled.context.options.weight_calibration == ()
+    record = next(r for r in spec.proposer.program.compiled.context.log if r.name == "quantize_weights")
+    assert record.result.info["calibration_tokens"] == 200
+
+
 @pytest.mark.parametrize("draft", ["layer_skip:1", "ngram:2"])
 def test_a_draft_without_weights_of_its_own_refuses_another_weight_dtype(draft):
     model = make_family("llama")

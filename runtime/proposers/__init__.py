@@ -14,12 +14,15 @@ SPECS = ("ngram", "ngram:N", "layer_skip:K", "an nn.Module draft model with the 
          "an object implementing Proposer")
 
 
-def make_proposer(draft, engine: "Engine", weight_dtype: str | None = None) -> Proposer:
+def make_proposer(draft, engine: "Engine", weight_dtype: str | None = None,
+                  calibration: tuple[int, ...] | None = None) -> Proposer:
     """``"ngram"``, ``"ngram:N"``, ``"layer_skip:K"``, a draft ``nn.Module`` or a ready proposer -> a proposer.
 
     ``weight_dtype``: the storage of a draft model's linears (None: the target's). Only a draft
     ``nn.Module`` has weights of its own; ``layer_skip`` runs on the target's weights, so it takes
     the target's dtype, and asking for another is an error rather than a silent copy.
+    ``calibration``: the token ids a draft model's int8/fp8 weights are calibrated on (None: the
+    target's; a draft in its own dtype needs its own, since a float target has none).
     """
     from ...compiler.options import BackendOptions
     from ...compiler.program import compile_decoder
@@ -34,10 +37,11 @@ def make_proposer(draft, engine: "Engine", weight_dtype: str | None = None) -> P
         raise ValueError(f"draft_weight_dtype={weight_dtype!r} needs a draft model: draft={draft!r} takes the "
                          f"target's weight_dtype={target().weight_dtype!r} ({owner})")
 
-    def options(weight_dtype: str | None = None) -> BackendOptions:  # the target's cache format and calibration
+    def options(weight_dtype: str | None = None) -> BackendOptions:  # the target's cache format
         t = target()
         return BackendOptions(page_size=engine.page_size, lowering=engine.program.lowering, kv_dtype=t.kv_dtype,
-                              weight_dtype=weight_dtype or t.weight_dtype, weight_calibration=t.weight_calibration)
+                              weight_dtype=weight_dtype or t.weight_dtype,
+                              weight_calibration=t.weight_calibration if calibration is None else calibration)
 
     if isinstance(draft, torch.nn.Module):
         program = compile_decoder(draft, options(weight_dtype))
