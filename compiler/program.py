@@ -288,6 +288,16 @@ class DecoderProgram:
         return self._steps.recompiles if self._steps is not None else 0
 
     @property
+    def compiling(self) -> bool:
+        """A background compile of the step graphs is still running."""
+        return self._compiling is not None and self._compiling.is_alive()
+
+    @property
+    def buckets(self) -> tuple[int, ...]:
+        """Stream sizes of the static step graphs (() until compiled, and for the eager lowering)."""
+        return self._steps.buckets if self._steps is not None else ()
+
+    @property
     def lowering(self) -> str:
         return self.compiled.context.options.lowering
 

@@ -14,6 +14,7 @@ import torch
 
 from ..compiler.options import BackendOptions
 from ..compiler.program import AttentionMetadata, DecoderProgram, compile_decoder
+from .controller import SpeculationController, cost_sizes, measure_forward_cost
 from .kv_manager import KVCacheManager
 from .proposers.base import Draft, DraftRequest
 from .rejection import verify_greedy, verify_sampling
@@ -61,6 +62,11 @@ def _calibration_ids(calibration, weight_dtype: str, tokenizer) -> tuple[int, ..
     return tuple(calibration)
 
 
+def _is_decode(chunk: ScheduledChunk) -> bool:
+    """The sequence feeds one token and wants the next (drafts may be verified with it)."""
+    return chunk.num_tokens == 1 and chunk.wants_logits
+
+
 class Engine:
     """Generation on a specgraph-compiled decoder.
 
@@ -80,7 +86,11 @@ class Engine:
         ``"layer_skip:K"`` (the target's first K layers, sharing their cache) or a draft
         ``nn.Module`` with the same vocabulary, or any object implementing
         :class:`~specgraph.runtime.proposers.Proposer`; None disables speculation.
-    num_draft_tokens: k, the drafts verified per target forward.
+    num_draft_tokens: k, the drafts verified per target forward (with ``adaptive``, the most).
+    adaptive: let a controller choose each step's draft length per sequence (0 to
+        ``num_draft_tokens``) from measured acceptance and cost (``runtime/controller.py``); the
+        default when a draft is given. ``adaptive=False`` drafts ``num_draft_tokens`` every step.
+        Outputs do not depend on it: verification is exact whatever length is chosen.
     draft_weight_dtype: the weight storage of a draft ``nn.Module`` (None: the target's
         ``weight_dtype``), e.g. an int4 draft for a float32 target; verification stays exact for the
         target whatever the draft's weights. ``layer_skip`` runs on the target's own weights.
@@ -99,7 +109,7 @@ class Engine:
                  weight_calibration: str | Sequence[int] | None = "builtin",
                  page_size: int = 16, prefix_caching: bool = True, kv_cache_memory: int = 256 << 20, num_blocks: int | None = None,
                  max_num_seqs: int = 8, max_tokens_per_step: int = 512, passes: Sequence = (),
-                 dump_dir: str | None = None, draft=None, num_draft_tokens: int = 4,
+                 dump_dir: str | None = None, draft=None, num_draft_tokens: int = 4, adaptive: bool | None = None,
                  draft_weight_dtype: str | None = None, self_check: bool = True,
                  lowering: str | None = None, progress: Callable[[str], None] | None = None,
                  compile_in_background: bool = False):
@@ -139,6 +149,12 @@ class Engine:
             self.proposer = make_proposer(draft, self, weight_dtype=draft_weight_dtype, calibration=draft_calibration)
         elif draft_weight_dtype is not None:
             raise ValueError(f"draft_weight_dtype={draft_weight_dtype!r} is given without a draft")
+        if adaptive and self.proposer is None:
+            raise ValueError("adaptive=True chooses draft lengths: it needs a draft (e.g. draft='ngram')")
+        self.adaptive = self.proposer is not None if adaptive is None else adaptive
+        self.controller: SpeculationController | None = None
+        if self.adaptive and not compile_in_background:
+            self.controller = self._new_controller()  # an empty pool always has room
         # every cache tensor indexed by block id: copy-on-write must copy all of them
         self._all_caches = list(self.kv_cache)
         if getattr(self.proposer, "shares_target_cache", True) is False:
@@ -207,7 +223,7 @@ class Engine:
     def abort(self, request: Request) -> None:
         """Cancel a submitted request; its KV blocks are released at once."""
         self.scheduler.abort(request)
-        self._release_draft_state(request)
+        self._forget(request)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
@@ -271,6 +287,13 @@ class Engine:
         ``recompiles``: step graphs compiled after the engine was built (0 in steady state);
         ``host_overhead_fraction``: of the time in steps, the share spent outside the target's forward
         (scheduling, drafting, metadata, sampling), from ``host_s`` and ``forward_s``.
+        With a draft: ``mean_accepted_tokens`` is the tokens a sequence gained per target forward
+        over all its decode forwards, speculative or not (prefill chunks excluded; ``decode_emitted``
+        / ``decode_forwards``); ``acceptance_rate`` the share of verified drafts kept;
+        ``speculated_fraction`` the share of decode forwards that verified drafts; ``requests``
+        the last ``generate`` call's per-request decisions (decode steps, speculated steps, draft
+        lengths chosen); ``forward_cost_s`` the controller's measured seconds per target forward
+        by stream size.
         """
         s = dict(self._stats)
         s["prefix_cache_hit_rate"] = self.kv.prefix_cache_hit_rate
@@ -284,16 +307,19 @@ class Engine:
         if self.proposer is not None:
             s["proposer"] = self.proposer.name
             s["num_draft_tokens"] = self.num_draft_tokens
+            s["adaptive"] = self.adaptive
             s["acceptance_rate"] = s["accepted_tokens"] / s["draft_tokens"] if s["draft_tokens"] else 0.0
-            # tokens each sequence gains per target forward in which it was verified
-            s["mean_accepted_tokens"] = s["verify_emitted"] / s["verify_steps"] if s["verify_steps"] else 0.0
+            s["mean_accepted_tokens"] = s["decode_emitted"] / s["decode_forwards"] if s["decode_forwards"] else 0.0
+            s["speculated_fraction"] = s["verify_steps"] / s["decode_forwards"] if s["decode_forwards"] else 0.0
+            if self.controller is not None:
+                s["forward_cost_s"] = self.controller.forward_cost.as_dict()
         return s
 
     def reset_stats(self) -> None:
         self._stats = dict(tokens_per_second=0.0, generated_tokens=0, prompt_tokens=0, cached_prompt_tokens=0,
                            target_forwards=0, kv_pool_peak_usage=0.0, time_to_first_token_s=0.0, elapsed_s=0.0,
-                           draft_tokens=0, accepted_tokens=0, verify_steps=0, verify_emitted=0, forward_s=0.0,
-                           host_s=0.0)
+                           draft_tokens=0, accepted_tokens=0, verify_steps=0, verify_emitted=0, decode_forwards=0,
+                           decode_emitted=0, forward_s=0.0, host_s=0.0, requests=[])
         self._counter_base = self._counters()
 
     def _counters(self) -> dict[str, int]:
@@ -347,6 +373,42 @@ class Engine:
         if self.proposer is not None:
             self.proposer.release(request.request_id)
 
+    def _forget(self, request: Request) -> None:
+        """The request is finished or aborted: drop the proposer's and the controller's state of it."""
+        self._release_draft_state(request)
+        if self.controller is not None:
+            self.controller.release(request.request_id)
+
+    def _new_controller(self) -> SpeculationController | None:
+        """Measure the target's forward cost by stream size on a scratch sequence (no cache state
+        of any request is touched: its blocks are free ones, freed again uncommitted). None when
+        the pool has no room for it now."""
+        capacity = (self.num_blocks - 1) * self.page_size
+        max_stream = min(self.scheduler.max_num_seqs * (self.num_draft_tokens + 1),
+                         self.scheduler.max_tokens_per_step, capacity)
+        sid = self._new_id()
+        self.kv.add_sequence(sid, [])
+        try:
+            if self.kv.allocate(sid, max_stream) is None:
+                return None
+            table = self.kv.block_table(sid)
+
+            def forward(n: int) -> None:
+                meta = AttentionMetadata.build([(table, 0, n)], self.page_size, [list(range(n))])
+                self.program(torch.zeros(n, dtype=torch.long), meta, self.kv_cache)
+
+            with torch.no_grad():
+                cost = measure_forward_cost(forward, cost_sizes(max_stream, self.program.buckets))
+        finally:
+            self.kv.free(sid)
+        return SpeculationController(self.num_draft_tokens, cost)
+
+    def _ready_controller(self) -> SpeculationController | None:
+        """The controller, built once the step graphs it must measure are in use (background compile)."""
+        if self.controller is None and not self.program.compiling:
+            self.controller = self._new_controller()
+        return self.controller
+
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         for src, dst in copies:
             for caches in self._all_caches:
@@ -354,15 +416,21 @@ class Engine:
                     t[dst].copy_(t[src])
 
     def _draft(self, chunks: list[ScheduledChunk]) -> dict[int, Draft]:
-        """Draft tokens for the decoding sequences; their extra slots are allocated here."""
+        """Draft tokens for the decoding sequences; their extra slots are allocated here.
+
+        Lengths: the request's cap (``num_draft_tokens``, the request's own, the tokens it may still
+        emit), or the controller's choice within it, made before drafting and again after (a shorter
+        draft than asked may no longer pay)."""
+        decodes = [c.request for c in chunks if _is_decode(c)]
+        caps = [min(self.num_draft_tokens if r.num_draft_tokens is None else min(r.num_draft_tokens,
+                                                                                 self.num_draft_tokens),
+                    r.max_new_tokens - len(r.output_ids) - 1) for r in decodes]
+        controller = self._ready_controller() if self.adaptive else None
+        other_tokens = sum(c.num_tokens for c in chunks) - len(decodes)
+        ids = [r.request_id for r in decodes]
+        lengths = controller.plan(ids, caps, other_tokens) if controller is not None else caps
         wanted = []
-        for c in chunks:
-            r = c.request
-            if c.num_tokens != 1 or not c.wants_logits:
-                continue  # prefill chunk
-            cap = self.num_draft_tokens if r.num_draft_tokens is None else min(r.num_draft_tokens,
-                                                                                self.num_draft_tokens)
-            k = min(cap, r.max_new_tokens - len(r.output_ids) - 1)
+        for r, k in zip(decodes, lengths):
             if k <= 0:
                 continue
             copies = self.kv.allocate(r.request_id, k)
@@ -370,15 +438,26 @@ class Engine:
                 continue  # pool short: plain decode this step
             self._copy_blocks(copies)
             wanted.append(DraftRequest(r.request_id, r.all_ids, len(r.prompt_ids), k, r.params, r.generator))
-        drafts = dict(zip((w.request_id for w in wanted), self.proposer.propose(wanted))) if wanted else {}
+        if not wanted:
+            return {}
+        t0 = time.perf_counter()
+        drafts = dict(zip((w.request_id for w in wanted), self.proposer.propose(wanted)))
+        if controller is not None:
+            controller.observe_draft(time.perf_counter() - t0, max(w.k for w in wanted))
+            asked = {w.request_id: w.k for w in wanted}
+            got = [len(drafts[i].token_ids[:asked[i]]) if i in asked else 0 for i in ids]
+            floors = [min(n, controller.probe_length) if i in controller.probes else 0 for i, n in zip(ids, got)]
+            keep = dict(zip(ids, controller.plan(ids, got, other_tokens, drafting_cost=False, floors=floors)))
+        else:
+            keep = {w.request_id: w.k for w in wanted}
         for w in wanted:
-            d = drafts[w.request_id]
-            d.token_ids = d.token_ids[:w.k]
+            d, k = drafts[w.request_id], keep[w.request_id]
+            d.token_ids = d.token_ids[:k]
             if d.probs is not None:
-                d.probs = d.probs[:w.k]
-            if len(d.token_ids) < w.k:  # give back the slots of drafts not proposed
+                d.probs = d.probs[:k]
+            if len(d.token_ids) < w.k:  # give back the slots of drafts not verified
                 self.kv.truncate(w.request_id, self.kv.num_tokens(w.request_id) - (w.k - len(d.token_ids)))
-        return drafts
+        return {i: d for i, d in drafts.items() if d.token_ids}
 
     @torch.no_grad()
     def _step(self) -> list[Request]:
@@ -387,6 +466,7 @@ class Engine:
         if not chunks:
             raise RuntimeError("scheduler produced an empty step with work pending")
         finished: list[Request] = []
+        decoding = [_is_decode(c) for c in chunks]  # before this step's tokens change wants_logits
         self._copy_blocks(copies)
         drafts = self._draft(chunks) if self.proposer is not None else {}
         ids: list[int] = []
@@ -406,7 +486,7 @@ class Engine:
         self._stats["target_forwards"] += 1
         self._stats["kv_pool_peak_usage"] = max(self._stats["kv_pool_peak_usage"], self.kv.usage)
         row = 0
-        for c, rows in zip(chunks, want):
+        for c, rows, decode in zip(chunks, want, decoding):
             r = c.request
             rid = r.request_id
             if r.finished:  # aborted by an on_token callback earlier in this loop
@@ -414,7 +494,8 @@ class Engine:
                 continue
             r.num_computed = c.start + c.num_tokens
             token_logits = logits[row:row + len(rows)]  # row i: the distribution of new token i
-            if rows and rid in drafts:
+            drafted = len(drafts[rid].token_ids) if rid in drafts else 0
+            if rows and drafted:
                 new_tokens = self._verify(r, drafts[rid], token_logits)
                 # cached now: the last token + the accepted drafts (the final token is not yet fed)
                 r.num_computed = c.start + len(new_tokens)
@@ -424,18 +505,23 @@ class Engine:
             else:
                 new_tokens = []
             row += len(rows)
+            emitted = 0
             for token, token_row in zip(new_tokens, token_logits):
                 self._emit(r, token, token_row)
+                emitted += 1
                 if r.finished:
                     finished.append(r)
                     break
+            if decode:
+                self._account_decode(r, drafted, len(new_tokens) - 1 if drafted else 0, emitted)
             if not r.finished:
                 self.kv.commit(rid, r.all_ids[:r.num_computed])
-            if self.proposer is not None:
-                if r.finished:
-                    self.proposer.release(rid)
-                else:
-                    self.proposer.on_verified(rid, r.num_computed)
+            if r.finished:
+                self._forget(r)
+            elif self.proposer is not None:
+                self.proposer.on_verified(rid, r.num_computed)
+        if self.controller is not None and all(decoding):
+            self.controller.observe_forward(len(ids), t_back - t_forward)
         self._stats["forward_s"] += t_back - t_forward
         self._stats["host_s"] += (t_forward - t_start) + (time.perf_counter() - t_back)
         return finished
@@ -452,6 +538,14 @@ class Engine:
         s["verify_steps"] += 1
         s["verify_emitted"] += len(tokens)
         return tokens
+
+    def _account_decode(self, r: Request, drafted: int, accepted: int, emitted: int) -> None:
+        r.decode_steps += 1
+        r.draft_lengths[drafted] = r.draft_lengths.get(drafted, 0) + 1
+        self._stats["decode_forwards"] += 1
+        self._stats["decode_emitted"] += emitted
+        if self.controller is not None:
+            self.controller.observe_decode(r.request_id, drafted, accepted)
 
     def _emit(self, r: Request, token: int, logits: torch.Tensor) -> None:
         r.output_ids.append(token)
@@ -487,3 +581,5 @@ class Engine:
         s["cached_prompt_tokens"] = sum(r.cached_tokens for r in requests)
         ttft = [r.first_token_time for r in requests if r.first_token_time is not None]
         s["time_to_first_token_s"] = sum(ttft) / len(ttft) if ttft else 0.0
+        if self.proposer is not None:
+            s["requests"] = [r.speculation_summary() for r in requests]

@@ -69,6 +69,15 @@ class Request:
     preemptions: int = 0
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None  # seconds from arrival to the first new token
+    decode_steps: int = 0  # target forwards that fed this sequence one token (+ its drafts)
+    draft_lengths: dict[int, int] = field(default_factory=dict)  # drafts verified in a step -> such steps
+
+    def speculation_summary(self) -> dict:
+        """Per request: decode steps, how many verified drafts, and the lengths chosen."""
+        spec = sum(n for k, n in self.draft_lengths.items() if k)
+        drafted = sum(k * n for k, n in self.draft_lengths.items())
+        return dict(request_id=self.request_id, decode_steps=self.decode_steps, speculated_steps=spec,
+                    mean_draft_length=drafted / spec if spec else 0.0, draft_lengths=dict(sorted(self.draft_lengths.items())))
 
     @property
     def all_ids(self) -> list[int]:

@@ -68,6 +68,8 @@ class HashChainProgram:
         return 8
 
     recompiles = 0  # nothing is compiled: the step is plain Python
+    buckets = ()  # no static step graphs
+    compiling = False
 
     def compile_steps(self, kv_cache, table_width, progress=None, background=False):
         pass
@@ -85,8 +87,9 @@ class HashChainProgram:
                 p = pos[i]
                 prev = ROOT if p == 0 else int(cache[tables[s][(p - 1) // page] * page + (p - 1) % page])
                 block = slots[i] // page
-                assert self.kv.block_pool.ref_count(block) == 1, f"write into shared block {block}"
-                assert self.kv.block_pool.block_key(block) is None, f"write into cached block {block}"
+                if self.kv is not None:  # None while the engine is being built (its cost measurement)
+                    assert self.kv.block_pool.ref_count(block) == 1, f"write into shared block {block}"
+                    assert self.kv.block_pool.block_key(block) is None, f"write into cached block {block}"
                 values[i] = chain(prev, ids[i])
                 cache[slots[i]] = values[i]
         rows = meta.logits_indices.tolist()
@@ -142,12 +145,13 @@ class EngineMachine(RuleBasedStateMachine):
     @initialize(page=st.sampled_from([8, 8, 16]), slack=st.sampled_from([0, 0, 1, 2, 4, 8]), max_num_seqs=st.integers(2, 8),
                 budget=st.sampled_from([3, 8, 64]), speculate=st.booleans(), k=st.integers(1, 4),
                 accept=st.floats(0.0, 1.0), prefix_caching=st.sampled_from([True, True, False]),
-                seed=st.integers(0, 1 << 16))
-    def setup(self, page, slack, max_num_seqs, budget, speculate, k, accept, prefix_caching, seed):
+                seed=st.integers(0, 1 << 16), adaptive=st.booleans())
+    def setup(self, page, slack, max_num_seqs, budget, speculate, k, accept, prefix_caching, seed, adaptive):
         fits_one = -(-(MAX_PROMPT + MAX_NEW) // page)  # the largest request, alone
         draft = NoisyProposer(accept, seed) if speculate else None
         self.engine = make_engine(page, fits_one + 1 + slack, max_num_seqs=max_num_seqs, max_tokens_per_step=budget,
-                                  prefix_caching=prefix_caching, draft=draft, num_draft_tokens=k)
+                                  prefix_caching=prefix_caching, draft=draft, num_draft_tokens=k,
+                                  adaptive=adaptive and speculate)
         self.requests = []
         self.aborted = set()
 

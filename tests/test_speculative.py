@@ -24,7 +24,8 @@ def test_greedy_speculation_is_lossless(family, draft):
     target = make_family(family)
     drafter = make_family(family, seed=1) if draft == "model" else draft
     plain = specgraph.Engine(target, num_blocks=64, page_size=8)
-    spec = specgraph.Engine(target, num_blocks=64, page_size=8, draft=drafter, num_draft_tokens=3)
+    spec = specgraph.Engine(target, num_blocks=64, page_size=8, draft=drafter, num_draft_tokens=3,
+                            adaptive=False)  # every step drafts: the proposer's own acceptance shows
     for prompts in (_repetitive(family, 1), _repetitive(family, 4)):  # batch 1 and batch 4
         want = [r.token_ids for r in plain.generate(prompts, max_new_tokens=14, ignore_eos=True)]
         got = [r.token_ids for r in spec.generate(prompts, max_new_tokens=14, ignore_eos=True)]
@@ -100,7 +101,7 @@ CRITICAL = {1: 15.14, 2: 18.42, 3: 21.11, 4: 23.51, 5: 25.74, 6: 27.86, 7: 29.88
 def _sample_tokens(target, drafter, prompt, n, seed):
     engine = specgraph.Engine(target, num_blocks=n + 8, page_size=8, max_num_seqs=n,
                               max_tokens_per_step=n * (len(prompt) + 4), draft=drafter, num_draft_tokens=2,
-                              prefix_caching=False)
+                              adaptive=False, prefix_caching=False)  # every step verifies: the rule is tested
     results = engine.generate([prompt] * n, max_new_tokens=3, temperature=1.0, seed=seed, ignore_eos=True)
     assert engine.stats["draft_tokens"] > 0
     return torch.tensor([r.token_ids for r in results])

@@ -1,0 +1,264 @@
+"""Adaptive speculation: each step, how many drafts each decoding sequence gets (0: none).
+
+A draft is worth verifying when the tokens it is expected to add pay for the larger forward that
+verifies it. The controller decides that per step, for the whole batch, from three measurements:
+
+* **target cost** (:class:`ForwardCost`): seconds of one target forward by stream size (tokens in
+  the step), measured on this machine when the engine starts and refined by every decode step.
+  It is a step function on a bucketed program (2..8 tokens run the same 8-token graph), so a
+  second draft can be free where the first was not; nothing here assumes a shape for it.
+* **draft cost**: seconds of one propose call per drafted position, measured on every call
+  (a draft model's k single-token steps; near zero for n-gram lookup).
+* **acceptance** (:class:`Acceptance`): per sequence and per draft position i, the probability that
+  draft i is accepted once drafts 1..i-1 were, from decayed counts. A new sequence starts from
+  the engine-wide estimate of the same proposer, weighted as a few observations.
+
+With ``a_i`` those conditional rates, k drafts yield ``E(k) = 1 + sum_j prod_{i<=j} a_i`` tokens
+per sequence. The (k+1)-th draft's gain ``prod_{i<=k+1} a_i`` never grows with k, so handing out
+drafts one at a time to the largest gain gives the most expected tokens for every stream size;
+the controller walks the stream sizes that way and keeps the lengths with the most tokens per
+predicted second (forward + drafting). It decides twice: before drafting (draft cost counts) and
+after (drafts are sunk; a draft shorter than asked caps the length). A sequence left at k = 0
+learns nothing, so every ``probe_interval`` of its decode steps it is given ``probe_length``
+drafts anyway.
+
+The choice changes speed only: verification is exact whatever length is chosen, so greedy
+output is identical to no speculation and sampling keeps the target's distribution.
+"""
+from __future__ import annotations
+
+import time
+from bisect import bisect_left
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+
+class ForwardCost:
+    """Seconds of one target forward by stream size: measured points, linear in between.
+
+    ``observe`` folds a measured step into the nearest point's estimate (exponential average), so
+    the table follows the machine's load and the contexts actually served.
+    """
+
+    def __init__(self, seconds_by_size: dict[int, float], smoothing: float = 0.2):
+        if not seconds_by_size or min(seconds_by_size) < 1:
+            raise ValueError(f"forward cost needs measured stream sizes >= 1; got {sorted(seconds_by_size)}")
+        self.sizes = sorted(seconds_by_size)
+        self.seconds = [float(seconds_by_size[n]) for n in self.sizes]
+        self.smoothing = smoothing
+
+    def __call__(self, n: int) -> float:
+        sizes, secs = self.sizes, self.seconds
+        i = bisect_left(sizes, n)
+        if i < len(sizes) and sizes[i] == n:
+            return secs[i]
+        if i == 0:
+            return secs[0]
+        if i == len(sizes):  # beyond the table: the last segment's slope (at least flat)
+            if len(sizes) == 1:
+                return secs[-1] * n / sizes[-1]
+            slope = max(0.0, (secs[-1] - secs[-2]) / (sizes[-1] - sizes[-2]))
+            return secs[-1] + slope * (n - sizes[-1])
+        lo, hi = sizes[i - 1], sizes[i]
+        return secs[i - 1] + (secs[i] - secs[i - 1]) * (n - lo) / (hi - lo)
+
+    def observe(self, n: int, seconds: float) -> None:
+        i = bisect_left(self.sizes, n)
+        if i < len(self.sizes) and self.sizes[i] == n:
+            self.seconds[i] += self.smoothing * (seconds - self.seconds[i])
+        else:  # a size not measured yet: a new point, starting from what was seen
+            self.sizes.insert(i, n)
+            self.seconds.insert(i, float(seconds))
+
+    def as_dict(self) -> dict[int, float]:
+        return dict(zip(self.sizes, self.seconds))
+
+
+@dataclass
+class Acceptance:
+    """Decayed counts of accepted / tried per draft position (conditional on the earlier ones).
+
+    A position's rate leans on the one before it with the weight of ``prior_weight`` observations
+    (the first on ``prior_rate``): a position not tried yet is taken to behave like its
+    predecessor, and a few observations override that."""
+
+    hits: list[float]
+    tries: list[float]
+    prior_rate: float = 0.5
+    prior_weight: float = 1.0
+    decay: float = 0.9
+
+    @classmethod
+    def prior(cls, positions: int, rate: float, weight: float = 1.0, decay: float = 0.9) -> "Acceptance":
+        return cls([0.0] * positions, [0.0] * positions, rate, weight, decay)
+
+    def rates(self) -> list[float]:
+        out, before = [], self.prior_rate
+        for h, t in zip(self.hits, self.tries):
+            if t + self.prior_weight > 0:
+                before = (h + self.prior_weight * before) / (t + self.prior_weight)
+            out.append(before)
+        return out
+
+    def update(self, drafted: int, accepted: int) -> None:
+        """``accepted`` of ``drafted`` drafts were kept: positions up to the first miss were tried."""
+        for i in range(min(accepted + 1, drafted)):
+            self.hits[i] = self.decay * self.hits[i] + (1.0 if i < accepted else 0.0)
+            self.tries[i] = self.decay * self.tries[i] + 1.0
+
+    def gains(self, k: int) -> list[float]:
+        """Expected tokens drafts 1..k each add: the chance that it and all before it are accepted."""
+        out, p = [], 1.0
+        for r in self.rates()[:k]:
+            p *= r
+            out.append(p)
+        return out
+
+    def expected_tokens(self, k: int) -> float:
+        """Tokens one verify with ``k`` drafts adds: 1 + the expected accepted prefix."""
+        return 1.0 + sum(self.gains(k))
+
+    def copy(self, max_weight: float, decay: float) -> "Acceptance":
+        """A new sequence's start: these rates, each position weighted as at most ``max_weight``
+        observations."""
+        scale = [min(1.0, max_weight / t) if t > 0 else 1.0 for t in self.tries]
+        return Acceptance([h * s for h, s in zip(self.hits, scale)], [t * s for t, s in zip(self.tries, scale)],
+                          self.prior_rate, self.prior_weight, decay)
+
+
+@dataclass
+class SequenceRecord:
+    """What the controller knows of one sequence."""
+
+    acceptance: Acceptance
+    idle_steps: int = 0  # consecutive decode steps without drafts
+
+
+class SpeculationController:
+    """Chooses each step's draft lengths (see the module docstring).
+
+    ``max_drafts``: the longest draft any sequence gets. ``forward_cost``: the target's
+    :class:`ForwardCost`. ``prior_rate``: the acceptance assumed before any observation (even odds,
+    so speculation is tried). ``decay``/``global_decay``: how fast a sequence's / the engine-wide
+    estimate forgets; ``start_weight``: how many observations of the engine-wide estimate a new
+    sequence starts with.
+    """
+
+    def __init__(self, max_drafts: int, forward_cost: ForwardCost, *, prior_rate: float = 0.5,
+                 decay: float = 0.9, global_decay: float = 0.98,
+                 start_weight: float = 4.0, probe_interval: int = 16, probe_length: int = 2):
+        if max_drafts < 1:
+            raise ValueError(f"max_drafts must be >= 1; got {max_drafts}")
+        self.max_drafts = max_drafts
+        self.forward_cost = forward_cost
+        self.global_acceptance = Acceptance.prior(max_drafts, prior_rate, decay=global_decay)
+        self.decay, self.start_weight = decay, start_weight
+        self.probe_interval, self.probe_length = probe_interval, probe_length
+        self.draft_seconds_per_position = 0.0  # per propose call, per drafted position (batched)
+        self._draft_samples = 0
+        self.records: dict[int, SequenceRecord] = {}
+        self.probes: set[int] = set()  # sequences the last plan before drafting gave drafts only to re-probe
+
+    # ---------------------------------------------------------------- decisions
+    def record(self, request_id: int) -> SequenceRecord:
+        rec = self.records.get(request_id)
+        if rec is None:
+            acc = self.global_acceptance.copy(self.start_weight, self.decay)
+            rec = self.records[request_id] = SequenceRecord(acc)
+        return rec
+
+    def plan(self, request_ids: Sequence[int], caps: Sequence[int], other_tokens: int,
+             drafting_cost: bool = True, floors: Sequence[int] | None = None) -> list[int]:
+        """Draft lengths for the decoding sequences ``request_ids`` (each between its floor and cap).
+
+        ``other_tokens``: stream tokens in the step besides the decodes' own (prefill chunks).
+        ``drafting_cost``: count the proposer's time and re-probe idle sequences (before drafting);
+        after drafting the time is spent, and ``floors`` keeps the probes' drafts.
+        """
+        recs = [self.record(r) for r in request_ids]
+        caps = [max(0, min(c, self.max_drafts)) for c in caps]
+        ks = [min(f, c) for f, c in zip(floors or [0] * len(caps), caps)]
+        per_position = self.draft_seconds_per_position if drafting_cost else 0.0
+        base = other_tokens + len(recs) + sum(ks)
+        curves = [rec.acceptance.gains(cap) for rec, cap in zip(recs, caps)]
+        tokens = len(recs) + sum(sum(c[:k]) for c, k in zip(curves, ks))
+        # A sequence's next draft adds prod(rates up to it) tokens, which never grows with its
+        # length: taking the largest such gain first gives the most tokens for every stream size.
+        # Walk the stream sizes in that order and keep the best tokens per second seen.
+        best_rate, best = -1.0, list(ks)
+        extra = 0
+        while True:
+            seconds = self.forward_cost(base + extra) + per_position * max(ks, default=0)
+            rate = tokens / seconds if seconds > 0 else float("inf")
+            if rate > best_rate * (1 + 1e-9):
+                best_rate, best = rate, list(ks)
+            gains = [(curves[i][k], i) for i, (k, cap) in enumerate(zip(ks, caps)) if k < cap]
+            if not gains:
+                break
+            gain, i = max(gains)
+            ks[i] += 1
+            tokens += gain
+            extra += 1
+        ks = best
+        self.probes = set()
+        for i, (rec, cap) in enumerate(zip(recs, caps)):
+            if ks[i] == 0 and cap > 0 and drafting_cost and rec.idle_steps + 1 >= self.probe_interval:
+                ks[i] = min(cap, self.probe_length)  # re-probe a sequence speculation was turned off for
+                self.probes.add(request_ids[i])
+        return ks
+
+    # -------------------------------------------------------------- observations
+    def observe_draft(self, seconds: float, longest: int) -> None:
+        """A propose call took ``seconds`` for drafts of at most ``longest`` positions."""
+        if longest <= 0:
+            return
+        sample = seconds / longest
+        self._draft_samples += 1
+        w = max(0.2, 1.0 / self._draft_samples)
+        self.draft_seconds_per_position += w * (sample - self.draft_seconds_per_position)
+
+    def observe_forward(self, stream_tokens: int, seconds: float) -> None:
+        """A decode/verify forward (no prefill chunk in it) of ``stream_tokens`` took ``seconds``."""
+        self.forward_cost.observe(stream_tokens, seconds)
+
+    def observe_decode(self, request_id: int, drafted: int, accepted: int) -> None:
+        """One decode step of a sequence: ``drafted`` drafts verified, ``accepted`` kept."""
+        rec = self.record(request_id)
+        if drafted:
+            rec.idle_steps = 0
+            rec.acceptance.update(drafted, accepted)
+            self.global_acceptance.update(drafted, accepted)
+        else:
+            rec.idle_steps += 1
+
+    def release(self, request_id: int) -> None:
+        self.records.pop(request_id, None)
+
+
+def measure_forward_cost(run: Callable[[int], None], sizes: Sequence[int], repeats: int = 3) -> ForwardCost:
+    """Time ``run(n)`` (one target forward of ``n`` stream tokens) for each size: best of ``repeats``
+    after one warm-up call."""
+    table = {}
+    for n in sizes:
+        run(n)
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            run(n)
+            best = min(best, time.perf_counter() - t0)
+        table[n] = best
+    return ForwardCost(table)
+
+
+def cost_sizes(max_stream: int, buckets: Sequence[int] = ()) -> list[int]:
+    """Stream sizes worth measuring up to ``max_stream``: small sizes one by one, each bucket and the
+    size after it (where the cost jumps), then a geometric grid."""
+    sizes = set(range(1, min(max_stream, 4) + 1))
+    for b in buckets:
+        sizes.update((b, b + 1))
+    n = 4
+    while n < max_stream:
+        n = int(n * 1.5) + 1
+        sizes.add(min(n, max_stream))
+    sizes.add(max_stream)
+    return sorted(s for s in sizes if 1 <= s <= max_stream)

@@ -1,0 +1,178 @@
+"""The speculation controller: its cost table and acceptance estimate, that its plan is the best
+one (brute force), that it turns speculation off when drafts lose and on when they win, and that
+outputs never depend on what it chooses."""
+import itertools
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import specgraph
+from specgraph.runtime.controller import Acceptance, ForwardCost, SpeculationController, cost_sizes
+from specgraph.runtime.proposers import Draft
+from models import make_family, random_prompts
+
+
+def test_forward_cost_interpolates_extrapolates_and_follows_observations():
+    cost = ForwardCost({1: 1.0, 8: 1.0, 16: 3.0})
+    assert cost(4) == 1.0 and cost(12) == 2.0 and cost(20) == 4.0 and cost(1) == 1.0
+    cost.observe(8, 2.0)  # an existing point moves part of the way
+    assert 1.0 < cost(8) < 2.0
+    cost.observe(5, 0.5)  # a new point is taken as seen
+    assert cost(5) == 0.5
+    with pytest.raises(ValueError, match="stream sizes"):
+        ForwardCost({})
+
+
+def test_cost_sizes_cover_each_bucket_edge():
+    sizes = cost_sizes(40, buckets=(1, 8))
+    assert {1, 2, 3, 4, 8, 9, 40} <= set(sizes) and sizes == sorted(set(sizes)) and max(sizes) == 40
+
+
+def test_acceptance_counts_positions_up_to_the_first_miss():
+    acc = Acceptance.prior(3, rate=0.5, weight=0.0, decay=1.0)
+    acc.update(drafted=3, accepted=1)  # draft 1 kept, draft 2 missed, draft 3 never tested
+    assert acc.rates() == [1.0, 0.0, 0.0] and acc.tries[2] == 0.0  # untested: like the one before
+    acc.update(drafted=3, accepted=3)
+    assert acc.rates() == [1.0, 0.5, 1.0]
+    assert acc.expected_tokens(0) == 1.0
+    assert acc.expected_tokens(2) == pytest.approx(1 + 1.0 + 0.5)
+    assert acc.gains(3) == pytest.approx([1.0, 0.5, 0.5])
+    leaning = Acceptance.prior(3, rate=0.5, weight=1.0, decay=1.0)
+    leaning.update(drafted=1, accepted=1)
+    assert leaning.rates() == pytest.approx([0.75, 0.75, 0.75])
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.lists(st.floats(0.0, 1.0), min_size=3, max_size=3), min_size=1, max_size=3),
+       st.lists(st.floats(0.01, 2.0), min_size=10, max_size=10), st.integers(0, 5))
+def test_plan_is_the_best_assignment(rates, costs, other):
+    """Over every assignment of draft lengths (brute force), none beats the plan's tokens per
+    second under the same cost table (no draft cost; costs need not be monotone)."""
+    costs = sorted(costs)  # a forward never gets cheaper with more tokens...
+    table = ForwardCost({n + 1: c for n, c in enumerate(costs)})
+    ctl = SpeculationController(3, table)
+    ids = list(range(len(rates)))
+    for i, r in zip(ids, rates):
+        ctl.record(i).acceptance = Acceptance([x for x in r], [1.0] * 3)
+    caps = [3] * len(ids)
+    plan = ctl.plan(ids, caps, other, drafting_cost=False)
+
+    def value(ks):
+        tokens = sum(ctl.records[i].acceptance.expected_tokens(k) for i, k in zip(ids, ks))
+        return tokens / table(other + len(ids) + sum(ks))
+
+    best = max(value(ks) for ks in itertools.product(range(4), repeat=len(ids)))
+    assert value(plan) >= best * (1 - 1e-9)
+
+
+def test_plan_speculates_when_it_pays_and_not_when_it_does_not():
+    flat = ForwardCost({1: 1.0, 8: 1.05, 9: 2.0})  # a bucketed step: 2..8 tokens cost about one token
+    ctl = SpeculationController(4, flat)
+    ctl.record(1).acceptance = Acceptance.prior(4, 0.6)
+    assert ctl.plan([1], [4], 0) == [4]
+    steep = ForwardCost({1: 1.0, 2: 2.0, 8: 8.0})  # each token costs a forward's worth
+    ctl = SpeculationController(4, steep)
+    ctl.record(1).acceptance = Acceptance.prior(4, 0.6)
+    assert ctl.plan([1], [4], 0) == [0]
+    assert ctl.plan([1], [0], 0) == [0]  # a cap of 0 is kept
+
+
+def test_an_idle_sequence_is_probed_and_its_probe_survives_the_second_plan():
+    ctl = SpeculationController(4, ForwardCost({1: 1.0, 2: 2.0, 8: 8.0}), probe_interval=3, probe_length=2)
+    ctl.record(7).acceptance = Acceptance.prior(4, 0.1)
+    plans = []
+    for _ in range(6):
+        plans.append(ctl.plan([7], [4], 0)[0])
+        ctl.observe_decode(7, plans[-1], 0)
+    assert plans == [0, 0, 2, 0, 0, 2]
+    for _ in range(2):
+        ctl.observe_decode(7, ctl.plan([7], [4], 0)[0], 0)
+    assert ctl.plan([7], [4], 0) == [2] and 7 in ctl.probes and ctl.plan([7], [2], 0, drafting_cost=False, floors=[2]) == [2]
+
+
+# ------------------------------------------------------------------------------ engine level
+class _ScriptedProposer:
+    """Drafts the reference continuation (``right``) or wrong tokens."""
+
+    name = "scripted"
+
+    def __init__(self, reference: dict[tuple, list[int]], right: bool, vocab: int):
+        self.reference, self.right, self.vocab = reference, right, vocab
+
+    def propose(self, requests):
+        out = []
+        for r in requests:
+            prompt, done = tuple(r.token_ids[:r.num_prompt_tokens]), r.token_ids[r.num_prompt_tokens:]
+            future = self.reference[prompt][len(done):len(done) + r.k]
+            out.append(Draft([t if self.right else (t + 1) % self.vocab for t in future]))
+        return out
+
+    def on_verified(self, request_id, num_committed):
+        pass
+
+    def release(self, request_id):
+        pass
+
+
+def _reference(model, prompts, n):
+    plain = specgraph.Engine(model, lowering="eager", num_blocks=64, page_size=8)
+    return {tuple(p): r.token_ids for p, r in zip(prompts, plain.generate(prompts, max_new_tokens=n, ignore_eos=True))}
+
+
+@pytest.mark.parametrize("right", [True, False])
+def test_adaptive_follows_acceptance_under_a_measured_cost(right):
+    """On a machine where each token a step adds costs a tenth of a 1-token forward, drafts that are always right are
+    verified at full length nearly every step; drafts that are always wrong are dropped after
+    a few tries, apart from the periodic probe. The output is the target's either way."""
+    model = make_family("llama")
+    prompts = random_prompts("llama", [7, 9])
+    want = _reference(model, prompts, 40)
+    spec = specgraph.Engine(model, lowering="eager", num_blocks=64, page_size=8, num_draft_tokens=4,
+                            draft=_ScriptedProposer(want, right, 64))
+    assert spec.adaptive and spec.controller is not None
+    spec.controller.forward_cost = ForwardCost({1: 1.0, 20: 2.9})  # pinned: tiny-model timings are noise
+    spec.controller.observe_forward = lambda n, s: None
+    got = spec.generate(prompts, max_new_tokens=40, ignore_eos=True)
+    assert {tuple(p): r.token_ids for p, r in zip(prompts, got)} == want
+    s = spec.stats
+    assert len(s["requests"]) == 2 and all(r["decode_steps"] > 0 for r in s["requests"])
+    if right:
+        assert s["mean_accepted_tokens"] > 3.5
+        for r in s["requests"]:  # every step but the last (one token left: nothing to draft)
+            assert r["speculated_steps"] >= r["decode_steps"] - 1 and r["mean_draft_length"] > 3, r
+    else:
+        assert s["speculated_fraction"] < 0.25 and s["mean_accepted_tokens"] == 1.0
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_greedy_output_does_not_depend_on_the_chosen_lengths(family, monkeypatch):
+    """Whatever lengths the controller picks (here random, before and after drafting), greedy
+    speculation returns the target's tokens, at batch 1 and batch 3."""
+    model = make_family(family)
+    rng = random.Random(0)
+    spec = specgraph.Engine(model, lowering="eager", num_blocks=64, page_size=8, draft="layer_skip:1",
+                            num_draft_tokens=3)
+    monkeypatch.setattr(spec.controller, "plan",
+                        lambda ids, caps, other, drafting_cost=True, floors=None: [rng.randint(0, c) for c in caps])
+    for prompts in (random_prompts(family, [8]), random_prompts(family, [5, 9, 7], seed=2)):
+        want = _reference(model, prompts, 12)
+        got = spec.generate(prompts, max_new_tokens=12, ignore_eos=True)
+        assert {tuple(p): r.token_ids for p, r in zip(prompts, got)} == want
+    assert 0 < spec.stats["speculated_fraction"] < 1
+
+
+def test_adaptive_needs_a_draft_and_fixed_lengths_stay_fixed():
+    model = make_family("llama")
+    with pytest.raises(ValueError, match="adaptive=True .* needs a draft"):
+        specgraph.Engine(model, lowering="eager", num_blocks=64, adaptive=True)
+    prompts = random_prompts("llama", [7])
+    want = _reference(model, prompts, 10)
+    fixed = specgraph.Engine(model, lowering="eager", num_blocks=64, page_size=8, num_draft_tokens=3,
+                             draft=_ScriptedProposer(want, False, 64), adaptive=False)
+    assert fixed.controller is None
+    fixed.generate(prompts, max_new_tokens=10, ignore_eos=True)
+    (r,) = fixed.stats["requests"]
+    # every step drafts all it may: 3, then fewer as the last tokens near (wrong drafts: 1 token a step)
+    assert r["draft_lengths"] == {0: 1, 1: 1, 2: 1, 3: 6}
