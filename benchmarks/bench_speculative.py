@@ -410,7 +410,8 @@ def main(argv=None) -> int:
         log(f"compiling Engine draft={draft}")
         t0 = time.perf_counter()
         engines[name] = specgraph.Engine(model, tokenizer=tok, page_size=16, prefix_caching=False,
-                                         num_blocks=num_blocks, draft=draft, num_draft_tokens=args.ks[0])
+                                         num_blocks=num_blocks, draft=draft, num_draft_tokens=args.ks[0],
+                                         adaptive=False if draft else None)  # rows are fixed k
         compile_s[name] = time.perf_counter() - t0
         log(f"  built in {compile_s[name]:.1f} s")
     report["engine_build_s"] = compile_s

@@ -29,6 +29,29 @@ CHAT_PROMPTS = [
 
 PROMPTS: list[tuple[str, str]] = [("code", p) for p in CODE_PROMPTS] + [("chat", p) for p in CHAT_PROMPTS]
 
+# The adaptive-speculation benchmark's report set: the controller's constants were never tuned
+# on these (they were set before, and checked on PROMPTS above). Code prompts with code to
+# edit, where the answer copies from the prompt, and code to write from scratch; chat prompts.
+HELDOUT_CODE_PROMPTS = [
+    "Add type hints and a docstring to this function, keeping its behaviour:\n\n"
+    "def chunk(items, size):\n    out = []\n    for i in range(0, len(items), size):\n"
+    "        out.append(items[i:i + size])\n    return out\n",
+    "Rewrite this loop as a list comprehension and explain the change:\n\n"
+    "result = []\nfor word in words:\n    if len(word) > 3 and word.isalpha():\n"
+    "        result.append(word.lower())\n",
+    "Write a Python function `parse_duration(text)` that turns strings like '1h30m', '45s' or "
+    "'2h' into a number of seconds, raising ValueError on anything else.",
+    "Write a bash script that finds every `.log` file older than seven days under a directory "
+    "given as its first argument, compresses it with gzip and prints how many files it handled.",
+]
+
+HELDOUT_CHAT_PROMPTS = [
+    "My tomato plants have yellow leaves at the bottom. What could be wrong, and what should I do?",
+    "Give me three ideas for a birthday party for a seven-year-old who loves dinosaurs.",
+    "What are the pros and cons of renting versus buying a flat in a big city?",
+    "Write a short, friendly message to my neighbour asking them to keep the noise down after 10 pm.",
+]
+
 # Used only for warm-up calls (never timed).
 WARMUP_PROMPT = "List three prime numbers greater than ten."
 

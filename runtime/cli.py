@@ -75,7 +75,8 @@ def _engine(args, model, tokenizer):
     kwargs = dict(kv_dtype=args.kv_dtype, weight_dtype=args.weight_dtype, page_size=args.page_size, prefix_caching=args.prefix_caching,
                   weight_calibration=None if args.weight_calibration == "none" else "builtin",
                   max_num_seqs=args.max_num_seqs, dump_dir=getattr(args, "dump_dir", None), draft=args.draft,
-                  num_draft_tokens=args.num_draft_tokens, lowering=args.lowering,
+                  num_draft_tokens=args.num_draft_tokens, adaptive=args.adaptive if args.draft else None,
+                  lowering=args.lowering,
                   compile_in_background=True)  # answer at once on the eager lowering, switch when compiled
     if args.num_blocks:
         kwargs["num_blocks"] = args.num_blocks
@@ -204,7 +205,10 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lowering", default=None, choices=LOWERINGS,
                    help="generated code (inductor, the default) or the graph op by op (eager)")
     p.add_argument("--draft", default=None, help="speculative decoding: ngram, ngram:N or layer_skip:K")
-    p.add_argument("--num-draft-tokens", type=_positive, default=4)
+    p.add_argument("--num-draft-tokens", type=_positive, default=4,
+                   help="drafts per step: the most, chosen per step by measured acceptance and cost (see --no-adaptive)")
+    p.add_argument("--no-adaptive", dest="adaptive", action="store_false",
+                   help="draft --num-draft-tokens every step instead of letting the controller choose")
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false")
     p.add_argument("--num-blocks", type=_positive, default=None, help="KV pool blocks (default: 256 MiB)")
     p.add_argument("--max-num-seqs", type=_positive, default=8)

@@ -19,8 +19,15 @@ drafts one at a time to the largest gain gives the most expected tokens for ever
 the controller walks the stream sizes that way and keeps the lengths with the most tokens per
 predicted second (forward + drafting). It decides twice: before drafting (draft cost counts) and
 after (drafts are sunk; a draft shorter than asked caps the length). A sequence left at k = 0
-learns nothing, so every ``probe_interval`` of its decode steps it is given ``probe_length``
-drafts anyway.
+learns nothing from verification, so it keeps learning in one of two ways:
+
+* **shadow drafts**, where drafting is cheap and touches no cache (n-gram lookup): the proposer
+  is asked anyway, the draft is not verified, and as the target's tokens arrive the draft is
+  scored against them. Under greedy decoding that is exactly what verification would have
+  accepted; under sampling a one-hot draft token is accepted with the target's probability of
+  it, which is the chance the sampled token equals it. So the estimate stays current for free.
+* **probes** otherwise: after ``probe_interval`` decode steps without drafts the sequence is given
+  ``probe_length`` drafts anyway; each probe that gets nothing accepted doubles the wait.
 
 The choice changes speed only: verification is exact whatever length is chosen, so greedy
 output is identical to no speculation and sampling keeps the target's distribution.
@@ -36,8 +43,10 @@ from typing import Callable, Sequence
 class ForwardCost:
     """Seconds of one target forward by stream size: measured points, linear in between.
 
-    ``observe`` folds a measured step into the nearest point's estimate (exponential average), so
-    the table follows the machine's load and the contexts actually served.
+    ``observe`` folds a measured step of a measured size into that point's estimate (exponential
+    average), so the table follows the machine's load and the contexts actually served. One step
+    moves it by at most a factor of 2 (clipped): a pause in one step must not make a size look
+    so dear that it is never chosen, and so never measured again.
     """
 
     def __init__(self, seconds_by_size: dict[int, float], smoothing: float = 0.2):
@@ -64,11 +73,9 @@ class ForwardCost:
 
     def observe(self, n: int, seconds: float) -> None:
         i = bisect_left(self.sizes, n)
-        if i < len(self.sizes) and self.sizes[i] == n:
-            self.seconds[i] += self.smoothing * (seconds - self.seconds[i])
-        else:  # a size not measured yet: a new point, starting from what was seen
-            self.sizes.insert(i, n)
-            self.seconds.insert(i, float(seconds))
+        if i < len(self.sizes) and self.sizes[i] == n:  # sizes in between follow their neighbours
+            seen = min(max(seconds, 0.5 * self.seconds[i]), 2.0 * self.seconds[i])
+            self.seconds[i] += self.smoothing * (seen - self.seconds[i])
 
     def as_dict(self) -> dict[int, float]:
         return dict(zip(self.sizes, self.seconds))
@@ -132,6 +139,8 @@ class SequenceRecord:
 
     acceptance: Acceptance
     idle_steps: int = 0  # consecutive decode steps without drafts
+    probe_interval: int = 0  # idle steps before the next probe (doubles after each probe that fails)
+    shadow: tuple[int, list[int]] | None = None  # an unverified draft: (sequence length then, tokens)
 
 
 class SpeculationController:
@@ -151,6 +160,7 @@ class SpeculationController:
             raise ValueError(f"max_drafts must be >= 1; got {max_drafts}")
         self.max_drafts = max_drafts
         self.forward_cost = forward_cost
+        self.prior_rate, self.global_decay = prior_rate, global_decay
         self.global_acceptance = Acceptance.prior(max_drafts, prior_rate, decay=global_decay)
         self.decay, self.start_weight = decay, start_weight
         self.probe_interval, self.probe_length = probe_interval, probe_length
@@ -159,21 +169,27 @@ class SpeculationController:
         self.records: dict[int, SequenceRecord] = {}
         self.probes: set[int] = set()  # sequences the last plan before drafting gave drafts only to re-probe
 
+    def forget_acceptance(self) -> None:
+        """Back to the prior: every sequence's and the engine-wide acceptance (costs are kept)."""
+        self.global_acceptance = Acceptance.prior(self.max_drafts, self.prior_rate, decay=self.global_decay)
+        self.records.clear()
+
     # ---------------------------------------------------------------- decisions
     def record(self, request_id: int) -> SequenceRecord:
         rec = self.records.get(request_id)
         if rec is None:
             acc = self.global_acceptance.copy(self.start_weight, self.decay)
-            rec = self.records[request_id] = SequenceRecord(acc)
+            rec = self.records[request_id] = SequenceRecord(acc, probe_interval=self.probe_interval)
         return rec
 
     def plan(self, request_ids: Sequence[int], caps: Sequence[int], other_tokens: int,
-             drafting_cost: bool = True, floors: Sequence[int] | None = None) -> list[int]:
+             drafting_cost: bool = True, floors: Sequence[int] | None = None, probe: bool = True) -> list[int]:
         """Draft lengths for the decoding sequences ``request_ids`` (each between its floor and cap).
 
         ``other_tokens``: stream tokens in the step besides the decodes' own (prefill chunks).
-        ``drafting_cost``: count the proposer's time and re-probe idle sequences (before drafting);
-        after drafting the time is spent, and ``floors`` keeps the probes' drafts.
+        ``drafting_cost``: count the proposer's time and re-probe idle sequences (before drafting,
+        unless ``probe`` is off: shadow drafts keep the estimates current); after drafting the time
+        is spent, and ``floors`` keeps the probes' drafts.
         """
         recs = [self.record(r) for r in request_ids]
         caps = [max(0, min(c, self.max_drafts)) for c in caps]
@@ -202,7 +218,7 @@ class SpeculationController:
         ks = best
         self.probes = set()
         for i, (rec, cap) in enumerate(zip(recs, caps)):
-            if ks[i] == 0 and cap > 0 and drafting_cost and rec.idle_steps + 1 >= self.probe_interval:
+            if ks[i] == 0 and cap > 0 and drafting_cost and probe and rec.idle_steps + 1 >= rec.probe_interval:
                 ks[i] = min(cap, self.probe_length)  # re-probe a sequence speculation was turned off for
                 self.probes.add(request_ids[i])
         return ks
@@ -225,11 +241,39 @@ class SpeculationController:
         """One decode step of a sequence: ``drafted`` drafts verified, ``accepted`` kept."""
         rec = self.record(request_id)
         if drafted:
+            if rec.idle_steps + 1 >= rec.probe_interval:  # this was a probe: back off unless it paid
+                rec.probe_interval = self.probe_interval if accepted else 2 * rec.probe_interval
             rec.idle_steps = 0
             rec.acceptance.update(drafted, accepted)
             self.global_acceptance.update(drafted, accepted)
         else:
             rec.idle_steps += 1
+
+    def wants_shadow(self, request_id: int) -> bool:
+        """Whether to draft for this sequence without verifying (see the module docstring): none is
+        pending, and drafting a position costs under 2% of a 1-token forward."""
+        return (self.record(request_id).shadow is None
+                and self.draft_seconds_per_position <= 0.02 * self.forward_cost(1))
+
+    def shadow(self, request_id: int, length: int, tokens: list[int]) -> None:
+        """An unverified draft of the tokens after the first ``length`` of the sequence."""
+        if tokens:
+            self.record(request_id).shadow = (length, list(tokens))
+
+    def score_shadow(self, request_id: int, token_ids: Sequence[int]) -> None:
+        """Score a pending shadow draft against the sequence's tokens so far, once decided."""
+        rec = self.records.get(request_id)
+        if rec is None or rec.shadow is None:
+            return
+        start, draft = rec.shadow
+        seen = token_ids[start:start + len(draft)]
+        matched = 0
+        while matched < len(seen) and seen[matched] == draft[matched]:
+            matched += 1
+        if matched < len(seen) or len(seen) == len(draft):  # a miss, or every draft token matched
+            rec.shadow = None
+            rec.acceptance.update(len(draft), matched)
+            self.global_acceptance.update(len(draft), matched)
 
     def release(self, request_id: int) -> None:
         self.records.pop(request_id, None)

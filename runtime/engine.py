@@ -428,22 +428,29 @@ class Engine:
         controller = self._ready_controller() if self.adaptive else None
         other_tokens = sum(c.num_tokens for c in chunks) - len(decodes)
         ids = [r.request_id for r in decodes]
-        lengths = controller.plan(ids, caps, other_tokens) if controller is not None else caps
-        wanted = []
-        for r, k in zip(decodes, lengths):
+        # a proposer that writes no cache may draft for sequences it will not verify (shadow drafts)
+        shadowing = controller is not None and getattr(self.proposer, "writes_cache", True) is False
+        lengths = controller.plan(ids, caps, other_tokens, probe=not shadowing) if controller is not None else caps
+        wanted, shadows = [], []
+        for r, k, cap in zip(decodes, lengths, caps):
             if k <= 0:
+                if shadowing and cap > 0 and controller.wants_shadow(r.request_id):
+                    shadows.append(DraftRequest(r.request_id, r.all_ids, len(r.prompt_ids), cap, r.params, r.generator))
                 continue
             copies = self.kv.allocate(r.request_id, k)
             if copies is None:
                 continue  # pool short: plain decode this step
             self._copy_blocks(copies)
             wanted.append(DraftRequest(r.request_id, r.all_ids, len(r.prompt_ids), k, r.params, r.generator))
-        if not wanted:
+        if not wanted and not shadows:
             return {}
         t0 = time.perf_counter()
-        drafts = dict(zip((w.request_id for w in wanted), self.proposer.propose(wanted)))
+        proposals = self.proposer.propose(wanted + shadows)
+        drafts = dict(zip((w.request_id for w in wanted), proposals))
         if controller is not None:
-            controller.observe_draft(time.perf_counter() - t0, max(w.k for w in wanted))
+            controller.observe_draft(time.perf_counter() - t0, max(w.k for w in wanted + shadows))
+            for w, d in zip(shadows, proposals[len(wanted):]):
+                controller.shadow(w.request_id, len(w.token_ids), d.token_ids[:w.k])
             asked = {w.request_id: w.k for w in wanted}
             got = [len(drafts[i].token_ids[:asked[i]]) if i in asked else 0 for i in ids]
             floors = [min(n, controller.probe_length) if i in controller.probes else 0 for i, n in zip(ids, got)]
@@ -520,7 +527,7 @@ class Engine:
                 self._forget(r)
             elif self.proposer is not None:
                 self.proposer.on_verified(rid, r.num_computed)
-        if self.controller is not None and all(decoding):
+        if self.adaptive and self.controller is not None and all(decoding):
             self.controller.observe_forward(len(ids), t_back - t_forward)
         self._stats["forward_s"] += t_back - t_forward
         self._stats["host_s"] += (t_forward - t_start) + (time.perf_counter() - t_back)
@@ -544,8 +551,9 @@ class Engine:
         r.draft_lengths[drafted] = r.draft_lengths.get(drafted, 0) + 1
         self._stats["decode_forwards"] += 1
         self._stats["decode_emitted"] += emitted
-        if self.controller is not None:
+        if self.adaptive and self.controller is not None:
             self.controller.observe_decode(r.request_id, drafted, accepted)
+            self.controller.score_shadow(r.request_id, r.all_ids)
 
     def _emit(self, r: Request, token: int, logits: torch.Tensor) -> None:
         r.output_ids.append(token)

@@ -17,10 +17,13 @@ from models import make_family, random_prompts
 def test_forward_cost_interpolates_extrapolates_and_follows_observations():
     cost = ForwardCost({1: 1.0, 8: 1.0, 16: 3.0})
     assert cost(4) == 1.0 and cost(12) == 2.0 and cost(20) == 4.0 and cost(1) == 1.0
-    cost.observe(8, 2.0)  # an existing point moves part of the way
+    cost.observe(8, 2.0)  # a measured point moves part of the way
     assert 1.0 < cost(8) < 2.0
-    cost.observe(5, 0.5)  # a new point is taken as seen
-    assert cost(5) == 0.5
+    before = cost(8)
+    cost.observe(8, 100.0)  # one pause moves it as a doubling would
+    assert cost(8) == pytest.approx(before + 0.2 * before)
+    cost.observe(5, 0.5)  # a size between points is not a point
+    assert cost.sizes == [1, 8, 16]
     with pytest.raises(ValueError, match="stream sizes"):
         ForwardCost({})
 
@@ -79,17 +82,39 @@ def test_plan_speculates_when_it_pays_and_not_when_it_does_not():
     assert ctl.plan([1], [0], 0) == [0]  # a cap of 0 is kept
 
 
-def test_an_idle_sequence_is_probed_and_its_probe_survives_the_second_plan():
+def test_an_idle_sequence_is_probed_with_backoff_and_its_probe_survives_the_second_plan():
     ctl = SpeculationController(4, ForwardCost({1: 1.0, 2: 2.0, 8: 8.0}), probe_interval=3, probe_length=2)
-    ctl.record(7).acceptance = Acceptance.prior(4, 0.1)
-    plans = []
-    for _ in range(6):
-        plans.append(ctl.plan([7], [4], 0)[0])
-        ctl.observe_decode(7, plans[-1], 0)
-    assert plans == [0, 0, 2, 0, 0, 2]
-    for _ in range(2):
-        ctl.observe_decode(7, ctl.plan([7], [4], 0)[0], 0)
-    assert ctl.plan([7], [4], 0) == [2] and 7 in ctl.probes and ctl.plan([7], [2], 0, drafting_cost=False, floors=[2]) == [2]
+    ctl.record(7).acceptance = Acceptance.prior(4, 0.01)
+
+    def steps(n, accepted=0):
+        out = []
+        for _ in range(n):
+            out.append(ctl.plan([7], [4], 0)[0])
+            ctl.observe_decode(7, out[-1], accepted if out[-1] else 0)
+        return out
+
+    assert steps(9) == [0, 0, 2, 0, 0, 0, 0, 0, 2]  # a failed probe doubles the wait: 3, then 6
+    assert steps(11) == [0] * 11 and ctl.plan([7], [4], 0) == [2] and 7 in ctl.probes
+    assert ctl.plan([7], [2], 0, drafting_cost=False, floors=[2]) == [2]  # kept after drafting
+    ctl.observe_decode(7, 2, 1)  # a probe that pays: back to the first interval
+    assert ctl.records[7].probe_interval == 3
+
+
+def test_a_shadow_draft_is_scored_when_the_target_decides_it():
+    ctl = SpeculationController(3, ForwardCost({1: 1.0}))
+    ctl.record(4).acceptance = Acceptance.prior(3, 0.5, weight=0.0, decay=1.0)
+    assert ctl.wants_shadow(4)
+    ctl.shadow(4, 10, [5, 6, 7])  # drafted after the first 10 tokens
+    assert not ctl.wants_shadow(4)  # one at a time
+    ctl.score_shadow(4, list(range(10)) + [5])  # first draft right, the rest undecided
+    assert ctl.records[4].shadow is not None
+    ctl.score_shadow(4, list(range(10)) + [5, 9])  # second wrong: tried 2, accepted 1
+    assert ctl.records[4].shadow is None and ctl.records[4].acceptance.rates() == [1.0, 0.0, 0.0]
+    ctl.shadow(4, 12, [1, 2])
+    ctl.score_shadow(4, list(range(12)) + [1, 2, 3])  # all right
+    assert ctl.records[4].acceptance.rates() == [1.0, 0.5, 0.5]
+    ctl.draft_seconds_per_position = 0.5  # drafting as dear as half a forward: no shadows
+    assert not ctl.wants_shadow(4)
 
 
 # ------------------------------------------------------------------------------ engine level
@@ -146,16 +171,16 @@ def test_adaptive_follows_acceptance_under_a_measured_cost(right):
         assert s["speculated_fraction"] < 0.25 and s["mean_accepted_tokens"] == 1.0
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2"])
-def test_greedy_output_does_not_depend_on_the_chosen_lengths(family, monkeypatch):
-    """Whatever lengths the controller picks (here random, before and after drafting), greedy
-    speculation returns the target's tokens, at batch 1 and batch 3."""
+@pytest.mark.parametrize("family, draft", [("llama", "layer_skip:1"), ("gpt2", "layer_skip:1"), ("llama", "ngram")])
+def test_greedy_output_does_not_depend_on_the_chosen_lengths(family, draft, monkeypatch):
+    """Whatever lengths the controller picks (here random, before and after drafting; with ngram,
+    the sequences given none also get shadow drafts), greedy speculation returns the target's
+    tokens, at batch 1 and batch 3."""
     model = make_family(family)
     rng = random.Random(0)
-    spec = specgraph.Engine(model, lowering="eager", num_blocks=64, page_size=8, draft="layer_skip:1",
-                            num_draft_tokens=3)
-    monkeypatch.setattr(spec.controller, "plan",
-                        lambda ids, caps, other, drafting_cost=True, floors=None: [rng.randint(0, c) for c in caps])
+    spec = specgraph.Engine(model, lowering="eager", num_blocks=64, page_size=8, draft=draft, num_draft_tokens=3)
+    monkeypatch.setattr(spec.controller, "plan", lambda ids, caps, other, drafting_cost=True, floors=None, probe=True:
+                        [rng.randint(0, c) for c in caps])
     for prompts in (random_prompts(family, [8]), random_prompts(family, [5, 9, 7], seed=2)):
         want = _reference(model, prompts, 12)
         got = spec.generate(prompts, max_new_tokens=12, ignore_eos=True)

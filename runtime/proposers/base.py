@@ -73,6 +73,9 @@ class Proposer(Protocol):
     """
 
     name: str
+    # Optional ``writes_cache = False``: proposing touches no KV cache, so the engine may ask for
+    # drafts it will not verify (the adaptive controller scores them against the target's tokens,
+    # see ``runtime/controller.py``). Without it, every draft asked for has its cache slots.
 
     def propose(self, requests: list[DraftRequest]) -> list[Draft]: ...
 

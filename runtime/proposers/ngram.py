@@ -48,6 +48,8 @@ class NgramProposer:
     []
     """
 
+    writes_cache = False  # drafting reads token ids only: the engine may draft without verifying
+
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1) -> None:
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(

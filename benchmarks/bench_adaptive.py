@@ -1,0 +1,193 @@
+"""Adaptive speculation against fixed settings on a mixed workload, in one run.
+
+    python benchmarks/bench_adaptive.py                       # held-out prompts (~15 minutes on 2 cores)
+    python benchmarks/bench_adaptive.py --prompt-set tuning   # the prompts the controller was checked on
+    python benchmarks/bench_adaptive.py --quick               # smoke test: 24 tokens, ngram only, k in {2, 4}
+
+Classes: {code, chat} x {batch 1, batch 4} x {greedy, temperature 0.8}; every class runs 4
+prompts (batch 1: one after another; batch 4: one ``generate`` of all 4), ``--new-tokens`` each
+with EOS ignored, so every setting makes the same number of tokens; ``--repeats`` rounds, each
+(class, setting) keeping its fastest round. Settings:
+  - ``none``                 no speculation,
+  - ``P k=K``                proposer P drafting K tokens every step (``adaptive=False``),
+  - ``P adaptive``           the controller choosing 0..max(K) per sequence and step.
+One Engine per proposer (its controller measured when it was built); fixed rows switch the
+same Engine's ``adaptive`` off. Settings run interleaved within each class, the order rotating
+between classes. The controller forgets its acceptance estimates before each class (a cold start:
+nothing learned on another class or prompt set helps it), and keeps its cost table.
+
+Printed: tok/s per class and over the whole mix (tokens / seconds, summed), the best fixed
+setting per class, adaptive's ratio to it and to ``none``, whether greedy tokens equal
+``none``'s, and the controller's decisions (share of decode steps speculated, mean draft length,
+tokens per target forward).
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import cpu_description, fmt, format_table, load_average, log, print_report, quiet_torch  # noqa: E402
+from prompts import CHAT_PROMPTS, CODE_PROMPTS, HELDOUT_CHAT_PROMPTS, HELDOUT_CODE_PROMPTS, WARMUP_PROMPT  # noqa: E402
+
+BATCHES = (1, 4)
+TEMPERATURES = (0.0, 0.8)
+PROMPTS_PER_CLASS = 4
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--new-tokens", type=int, default=None, help="per prompt (default 64; --quick 24)")
+    p.add_argument("--proposers", default=None, help="comma list (default ngram,layer_skip:8; --quick ngram)")
+    p.add_argument("--ks", default=None, help="fixed draft lengths (default 2,4,6; --quick 2,4)")
+    p.add_argument("--prompt-set", choices=("heldout", "tuning"), default="heldout")
+    p.add_argument("--repeats", type=int, default=2, help="rounds; each (class, setting) keeps its fastest")
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--json", default=None, metavar="PATH")
+    args = p.parse_args(argv)
+    args.new_tokens = args.new_tokens or (24 if args.quick else 64)
+    args.proposers = (args.proposers or ("ngram" if args.quick else "ngram,layer_skip:8")).split(",")
+    args.ks = [int(k) for k in (args.ks or ("2,4" if args.quick else "2,4,6")).split(",")]
+    return args
+
+
+def class_prompts(prompt_set: str) -> dict[str, list[str]]:
+    code, chat = (HELDOUT_CODE_PROMPTS, HELDOUT_CHAT_PROMPTS) if prompt_set == "heldout" else (CODE_PROMPTS, CHAT_PROMPTS)
+    cycle = lambda xs: [xs[i % len(xs)] for i in range(PROMPTS_PER_CLASS)]  # noqa: E731
+    return {"code": cycle(code), "chat": cycle(chat)}
+
+
+def run_setting(engine, adaptive: bool, k: int, prompts: list[list[int]], batch: int, temp: float,
+                n: int) -> dict:
+    """One class under one setting: tokens, seconds, greedy tokens, the controller's decisions."""
+    if engine.proposer is not None:
+        engine.adaptive, engine.num_draft_tokens = adaptive, k
+        engine.controller.forget_acceptance()  # each class starts cold: nothing learned on another
+    engine.reset_stats()
+    gc.collect()
+    tokens, seconds, outputs = 0, 0.0, []
+    decode_forwards = emitted = speculated = drafted = 0
+    for start in range(0, len(prompts), batch):
+        t0 = time.perf_counter()
+        res = engine.generate(prompts[start:start + batch], max_new_tokens=n, temperature=temp, seed=start,
+                              ignore_eos=True)
+        seconds += time.perf_counter() - t0
+        tokens += sum(len(r.token_ids) for r in res)
+        outputs += [r.token_ids for r in res]
+        s = engine.stats
+        if engine.proposer is not None:
+            decode_forwards += s["decode_forwards"]
+            emitted += s["decode_emitted"]
+            speculated += s["verify_steps"]
+            drafted += s["draft_tokens"]
+        engine.reset_stats()
+    return dict(tokens=tokens, seconds=seconds, outputs=outputs,
+                speculated=speculated / decode_forwards if decode_forwards else 0.0,
+                mean_draft=drafted / speculated if speculated else 0.0,
+                tokens_per_forward=emitted / decode_forwards if decode_forwards else 1.0)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    quiet_torch(args.threads)
+    import specgraph
+
+    log(f"{cpu_description()}; load {load_average()}; {args.prompt_set} prompts, {args.new_tokens} tokens, "
+        f"proposers {args.proposers}, k {args.ks}")
+    model, tok = specgraph.load_model(args.model)
+    model.eval()
+    enc = lambda text: tok(tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False,  # noqa: E731
+                                                   add_generation_prompt=True), add_special_tokens=False)["input_ids"]
+    groups = {g: [enc(t) for t in texts] for g, texts in class_prompts(args.prompt_set).items()}
+    longest = max(len(p) for ps in groups.values() for p in ps) + args.new_tokens + max(args.ks) + 1
+    num_blocks = PROMPTS_PER_CLASS * (-(-longest // 16)) + 8
+    kmax = max(args.ks)
+
+    engines, build_s = {}, {}
+    for name in ["none"] + args.proposers:
+        t0 = time.perf_counter()
+        log(f"building Engine draft={name}")
+        engines[name] = specgraph.Engine(model, tokenizer=tok, page_size=16, prefix_caching=False,
+                                         num_blocks=num_blocks, max_num_seqs=PROMPTS_PER_CLASS,
+                                         draft=None if name == "none" else name, num_draft_tokens=kmax)
+        build_s[name] = time.perf_counter() - t0
+    settings = [("none", "none", False, 1)]
+    for p in args.proposers:
+        settings += [(f"{p} k={k}", p, False, k) for k in args.ks] + [(f"{p} adaptive", p, True, kmax)]
+    warm = [enc(WARMUP_PROMPT)]
+    for label, name, adaptive, k in settings:  # first calls off the clock (never on a timed prompt)
+        run_setting(engines[name], adaptive, k, warm, 1, 0.0, 8)
+
+    classes = [(g, b, t) for g in groups for b in BATCHES for t in TEMPERATURES]
+    results: dict[tuple, dict[str, dict]] = {c: {} for c in classes}
+    turn = 0
+    for rnd in range(args.repeats):
+        for c in classes:
+            shift = turn % len(settings)
+            order = settings[shift:] + settings[:shift]
+            turn += 1
+            for label, name, adaptive, k in (order if turn % 2 else order[::-1]):
+                r = run_setting(engines[name], adaptive, k, groups[c[0]], c[1], c[2], args.new_tokens)
+                if label not in results[c] or r["seconds"] < results[c][label]["seconds"]:
+                    results[c][label] = r
+                log(f"round {rnd} {c[0]} b{c[1]} t{c[2]} {label}: {r['tokens'] / r['seconds']:.1f} tok/s, "
+                    f"speculated {r['speculated']:.0%}, {r['tokens_per_forward']:.2f} tok/forward")
+
+    labels = [s[0] for s in settings]
+    fixed = [s[0] for s in settings if not s[2]]
+    col = lambda c: f"{c[0]} b{c[1]} {'greedy' if c[2] == 0 else f't{c[2]}'}"  # noqa: E731
+    rate = lambda r: r["tokens"] / r["seconds"]  # noqa: E731
+    rows = []
+    for label in labels:
+        mix_tokens = sum(results[c][label]["tokens"] for c in classes)
+        mix_seconds = sum(results[c][label]["seconds"] for c in classes)
+        rows.append([label] + [fmt(rate(results[c][label]), ".1f") for c in classes] + [fmt(mix_tokens / mix_seconds, ".1f")])
+    lines = [f"# bench_adaptive: {cpu_description()}", f"# {args.prompt_set} prompts, {args.new_tokens} new tokens "
+             f"per prompt, {PROMPTS_PER_CLASS} prompts per class, best of {args.repeats} rounds, torch threads "
+             f"{args.threads}, load {load_average()}",
+             "", "tok/s per class (code/chat x batch x temperature) and over the whole mix", "",
+             format_table(["setting"] + [col(c) for c in classes] + ["mix"], rows, right=set(range(1, len(classes) + 2)))]
+
+    def mix(label):
+        return sum(results[c][label]["tokens"] for c in classes) / sum(results[c][label]["seconds"] for c in classes)
+
+    best_mix = max(fixed, key=mix)
+    summary = []
+    for p in args.proposers:
+        a = f"{p} adaptive"
+        for c in classes:
+            best = max(fixed, key=lambda lab: rate(results[c][lab]))
+            r = results[c][a]
+            summary.append([a, col(c), best, fmt(rate(r) / rate(results[c][best]), ".2f"),
+                            fmt(rate(r) / rate(results[c]["none"]), ".2f"), f"{r['speculated']:.0%}",
+                            fmt(r["mean_draft"], ".2f"), fmt(r["tokens_per_forward"], ".2f")])
+        summary.append([a, "mix", best_mix, fmt(mix(a) / mix(best_mix), ".2f"), fmt(mix(a) / mix("none"), ".2f"),
+                        "", "", ""])
+    lines += ["", "adaptive against the best fixed setting of each class, and against none", "",
+              format_table(["setting", "class", "best fixed", "vs best", "vs none", "speculated", "mean k",
+                            "tok/forward"], summary, right={3, 4, 5, 6, 7})]
+    mismatches = [f"{label} on {col(c)}" for c in classes if c[2] == 0 for label in labels
+                  if results[c][label]["outputs"] != results[c]["none"]["outputs"]]
+    lines += ["", f"greedy tokens equal to none's: {'all settings, all classes' if not mismatches else 'NO: ' + ', '.join(mismatches)}"]
+    for p in args.proposers:
+        cost = engines[p].controller.forward_cost.as_dict()
+        lines.append(f"{p}: controller's forward cost (ms by stream size): "
+                     + ", ".join(f"{n}: {s * 1e3:.1f}" for n, s in cost.items())
+                     + f"; draft {engines[p].controller.draft_seconds_per_position * 1e3:.2f} ms per position")
+    lines.append(f"engine build s: " + ", ".join(f"{k} {v:.0f}" for k, v in build_s.items()))
+    report = dict(config=vars(args), cpu=cpu_description(), classes=[col(c) for c in classes],
+                  results={col(c): {lab: {k: v for k, v in r.items() if k != "outputs"} for lab, r in results[c].items()}
+                           for c in classes}, greedy_mismatches=mismatches)
+    print_report(lines, report, args.json)
+    return 1 if mismatches else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
