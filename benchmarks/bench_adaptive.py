@@ -1,20 +1,21 @@
 """Adaptive speculation against fixed settings on a mixed workload, in one run.
 
-    python benchmarks/bench_adaptive.py                       # held-out prompts (~15 minutes on 2 cores)
+    python benchmarks/bench_adaptive.py                       # held-out prompts (~25 minutes on 2 cores)
     python benchmarks/bench_adaptive.py --prompt-set tuning   # the prompts the controller was checked on
     python benchmarks/bench_adaptive.py --quick               # smoke test: 24 tokens, ngram only, k in {2, 4}
 
 Classes: {code, chat} x {batch 1, batch 4} x {greedy, temperature 0.8}; every class runs 4
 prompts (batch 1: one after another; batch 4: one ``generate`` of all 4), ``--new-tokens`` each
-with EOS ignored, so every setting makes the same number of tokens; ``--repeats`` rounds, each
-(class, setting) keeping its fastest round. Settings:
+with EOS ignored, so every setting makes the same number of tokens. Each generate call (a unit)
+runs under every setting back to back, the order rotating from unit to unit, for ``--repeats``
+rounds; a class's time sums each unit's fastest run. Settings:
   - ``none``                 no speculation,
   - ``P k=K``                proposer P drafting K tokens every step (``adaptive=False``),
   - ``P adaptive``           the controller choosing 0..max(K) per sequence and step.
 One Engine per proposer (its controller measured when it was built); fixed rows switch the
 same Engine's ``adaptive`` off. Settings run interleaved within each class, the order rotating
-between classes. The controller forgets its acceptance estimates before each class (a cold start:
-nothing learned on another class or prompt set helps it), and keeps its cost table.
+between units. The controller forgets its acceptance estimates before each run (a cold start:
+nothing learned on another prompt helps it), and keeps its cost table.
 
 Printed: tok/s per class and over the whole mix (tokens / seconds, summed), the best fixed
 setting per class, adaptive's ratio to it and to ``none``, whether greedy tokens equal
@@ -48,7 +49,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--proposers", default=None, help="comma list (default ngram,layer_skip:8; --quick ngram)")
     p.add_argument("--ks", default=None, help="fixed draft lengths (default 2,4,6; --quick 2,4)")
     p.add_argument("--prompt-set", choices=("heldout", "tuning"), default="heldout")
-    p.add_argument("--repeats", type=int, default=2, help="rounds; each (class, setting) keeps its fastest")
+    p.add_argument("--repeats", type=int, default=3, help="rounds; each generate call keeps its fastest")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--json", default=None, metavar="PATH")
     args = p.parse_args(argv)
@@ -64,34 +65,30 @@ def class_prompts(prompt_set: str) -> dict[str, list[str]]:
     return {"code": cycle(code), "chat": cycle(chat)}
 
 
-def run_setting(engine, adaptive: bool, k: int, prompts: list[list[int]], batch: int, temp: float,
-                n: int) -> dict:
-    """One class under one setting: tokens, seconds, greedy tokens, the controller's decisions."""
+def run_unit(engine, adaptive: bool, k: int, prompts: list[list[int]], temp: float, n: int, seed: int) -> dict:
+    """One ``generate`` call (one prompt at batch 1, all of them at batch 4) under one setting."""
     if engine.proposer is not None:
         engine.adaptive, engine.num_draft_tokens = adaptive, k
-        engine.controller.forget_acceptance()  # each class starts cold: nothing learned on another
+        engine.controller.forget_acceptance()  # a cold start: nothing learned on another run helps
     engine.reset_stats()
     gc.collect()
-    tokens, seconds, outputs = 0, 0.0, []
-    decode_forwards = emitted = speculated = drafted = 0
-    for start in range(0, len(prompts), batch):
-        t0 = time.perf_counter()
-        res = engine.generate(prompts[start:start + batch], max_new_tokens=n, temperature=temp, seed=start,
-                              ignore_eos=True)
-        seconds += time.perf_counter() - t0
-        tokens += sum(len(r.token_ids) for r in res)
-        outputs += [r.token_ids for r in res]
-        s = engine.stats
-        if engine.proposer is not None:
-            decode_forwards += s["decode_forwards"]
-            emitted += s["decode_emitted"]
-            speculated += s["verify_steps"]
-            drafted += s["draft_tokens"]
-        engine.reset_stats()
-    return dict(tokens=tokens, seconds=seconds, outputs=outputs,
-                speculated=speculated / decode_forwards if decode_forwards else 0.0,
-                mean_draft=drafted / speculated if speculated else 0.0,
-                tokens_per_forward=emitted / decode_forwards if decode_forwards else 1.0)
+    t0 = time.perf_counter()
+    res = engine.generate(prompts, max_new_tokens=n, temperature=temp, seed=seed, ignore_eos=True)
+    seconds = time.perf_counter() - t0
+    s = engine.stats
+    return dict(tokens=sum(len(r.token_ids) for r in res), seconds=seconds, outputs=[r.token_ids for r in res],
+                decode_forwards=s.get("decode_forwards", 0), emitted=s.get("decode_emitted", 0),
+                speculated=s.get("verify_steps", 0), drafted=s.get("draft_tokens", 0))
+
+
+def combine(units: list[dict]) -> dict:
+    """A class's figures from its units' fastest runs."""
+    total = {key: sum(u[key] for u in units) for key in ("tokens", "seconds", "decode_forwards", "emitted",
+                                                         "speculated", "drafted")}
+    forwards, spec = total["decode_forwards"], total["speculated"]
+    return dict(tokens=total["tokens"], seconds=total["seconds"], outputs=[o for u in units for o in u["outputs"]],
+                speculated=spec / forwards if forwards else 0.0, mean_draft=total["drafted"] / spec if spec else 0.0,
+                tokens_per_forward=total["emitted"] / forwards if forwards else 1.0)
 
 
 def main(argv=None) -> int:
@@ -123,22 +120,28 @@ def main(argv=None) -> int:
         settings += [(f"{p} k={k}", p, False, k) for k in args.ks] + [(f"{p} adaptive", p, True, kmax)]
     warm = [enc(WARMUP_PROMPT)]
     for label, name, adaptive, k in settings:  # first calls off the clock (never on a timed prompt)
-        run_setting(engines[name], adaptive, k, warm, 1, 0.0, 8)
+        run_unit(engines[name], adaptive, k, warm, 0.0, 8, 0)
 
     classes = [(g, b, t) for g in groups for b in BATCHES for t in TEMPERATURES]
-    results: dict[tuple, dict[str, dict]] = {c: {} for c in classes}
+    best: dict[tuple, dict[str, list[dict]]] = {}  # class -> setting -> each unit's fastest run
     turn = 0
     for rnd in range(args.repeats):
         for c in classes:
-            shift = turn % len(settings)
-            order = settings[shift:] + settings[:shift]
-            turn += 1
-            for label, name, adaptive, k in (order if turn % 2 else order[::-1]):
-                r = run_setting(engines[name], adaptive, k, groups[c[0]], c[1], c[2], args.new_tokens)
-                if label not in results[c] or r["seconds"] < results[c][label]["seconds"]:
-                    results[c][label] = r
-                log(f"round {rnd} {c[0]} b{c[1]} t{c[2]} {label}: {r['tokens'] / r['seconds']:.1f} tok/s, "
-                    f"speculated {r['speculated']:.0%}, {r['tokens_per_forward']:.2f} tok/forward")
+            g, b, t = c
+            units = [groups[g][i:i + b] for i in range(0, len(groups[g]), b)]
+            for u, prompts in enumerate(units):
+                shift = turn % len(settings)
+                order = settings[shift:] + settings[:shift]
+                turn += 1
+                for label, name, adaptive, k in (order if turn % 2 else order[::-1]):
+                    r = run_unit(engines[name], adaptive, k, prompts, t, args.new_tokens, seed=u)
+                    runs = best.setdefault(c, {}).setdefault(label, [None] * len(units))
+                    if runs[u] is None or r["seconds"] < runs[u]["seconds"]:
+                        runs[u] = r
+            log(f"round {rnd} {g} b{b} t{t}: " + ", ".join(
+                f"{label} {combine(best[c][label])['tokens'] / combine(best[c][label])['seconds']:.1f}"
+                for label, *_ in settings) + " tok/s so far")
+    results = {c: {label: combine(runs) for label, runs in per.items()} for c, per in best.items()}
 
     labels = [s[0] for s in settings]
     fixed = [s[0] for s in settings if not s[2]]

@@ -188,11 +188,14 @@ class SpeculationController:
 
         ``other_tokens``: stream tokens in the step besides the decodes' own (prefill chunks).
         ``drafting_cost``: count the proposer's time and re-probe idle sequences (before drafting,
-        unless ``probe`` is off: shadow drafts keep the estimates current); after drafting the time
-        is spent, and ``floors`` keeps the probes' drafts.
+        unless ``probe`` is off: shadow drafts keep the estimates current, and a sequence with no
+        observation yet, its own or inherited, waits for one); after drafting the time is spent,
+        and ``floors`` keeps the probes' drafts.
         """
         recs = [self.record(r) for r in request_ids]
         caps = [max(0, min(c, self.max_drafts)) for c in caps]
+        if not probe:  # shadow drafts will tell: verify nothing on the prior alone
+            caps = [c if rec.acceptance.tries[0] > 0 else 0 for rec, c in zip(recs, caps)]
         ks = [min(f, c) for f, c in zip(floors or [0] * len(caps), caps)]
         per_position = self.draft_seconds_per_position if drafting_cost else 0.0
         base = other_tokens + len(recs) + sum(ks)

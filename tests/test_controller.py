@@ -101,8 +101,9 @@ def test_an_idle_sequence_is_probed_with_backoff_and_its_probe_survives_the_seco
 
 
 def test_a_shadow_draft_is_scored_when_the_target_decides_it():
-    ctl = SpeculationController(3, ForwardCost({1: 1.0}))
+    ctl = SpeculationController(3, ForwardCost({1: 1.0, 8: 1.0}))  # verifying is free...
     ctl.record(4).acceptance = Acceptance.prior(3, 0.5, weight=0.0, decay=1.0)
+    assert ctl.plan([4], [3], 0, probe=False) == [0]  # ...but with shadows nothing runs on the prior alone
     assert ctl.wants_shadow(4)
     ctl.shadow(4, 10, [5, 6, 7])  # drafted after the first 10 tokens
     assert not ctl.wants_shadow(4)  # one at a time
@@ -113,6 +114,7 @@ def test_a_shadow_draft_is_scored_when_the_target_decides_it():
     ctl.shadow(4, 12, [1, 2])
     ctl.score_shadow(4, list(range(12)) + [1, 2, 3])  # all right
     assert ctl.records[4].acceptance.rates() == [1.0, 0.5, 0.5]
+    assert ctl.plan([4], [3], 0, probe=False) == [3]  # observed now
     ctl.draft_seconds_per_position = 0.5  # drafting as dear as half a forward: no shadows
     assert not ctl.wants_shadow(4)
 
