@@ -134,6 +134,9 @@ class StepPlan:
     reason: str
 
 
+WIDE_BUCKETS = (4, 8)  # the multi-token static graphs choose_buckets considers (row counts it times)
+
+
 def choose_buckets(gm: fx.GraphModule, device: torch.device) -> StepPlan:
     """The step graphs to compile, decided by measurement on this machine.
 
@@ -146,9 +149,11 @@ def choose_buckets(gm: fx.GraphModule, device: torch.device) -> StepPlan:
     (more bytes than any CPU cache: timing one small matrix again and again measures the cache, and
     once picked a library 1.35x slower on the real step) and compiles a static graph for 1-token
     steps only when MKL or the C++ kernel beats oneDNN at 2 rows (the dynamic graph pads a decode
-    to 2 rows; a memory-bound GEMV costs about the same for 1 and 2). When the C++ kernel wins that
-    and also beats oneDNN at 8 rows (its tiled path), a second static graph serves steps of 2 to 8
-    tokens: batched decodes and short verifies."""
+    to 2 rows; a memory-bound GEMV costs about the same for 1 and 2). When the C++ kernel wins that,
+    each of 4 and 8 rows where it also beats oneDNN (its tiled path) gets a static graph for steps
+    up to that many tokens: batched decodes and verifies. A verify of k drafts costs a
+    ``k + 1``-token step, so these graphs decide what speculation costs (on an AVX-512 EPYC the
+    C++ kernel lost at 8 rows, and a 2-token verify ran the dynamic graph at 1.7x a decode)."""
     if device.type == "cuda":
         return StepPlan(CUDA_BUCKETS, "inductor", f"CUDA: static graphs for {CUDA_BUCKETS} tokens, the dynamic "
                                                   "graph above")
@@ -172,14 +177,17 @@ def choose_buckets(gm: fx.GraphModule, device: torch.device) -> StepPlan:
     times = _time_linears(weights)
     line = (f"few-row GEMMs over {total / 2**20:.0f} MiB of the model's weights: "
             + ", ".join(f"{name} {t * 1e3:.2f} ms" for name, t in times.items()))
-    single = {name: t for name, t in times.items() if "8 rows" not in name}
+    single = {name: t for name, t in times.items() if name.endswith("(1 row)") or name == "oneDNN (2 rows)"}
     best = min(single, key=single.get)
     if best == "oneDNN (2 rows)" or times[best] > 0.95 * times["oneDNN (2 rows)"]:
         return StepPlan((), "inductor", line + " -> decodes run the dynamic graph (oneDNN)")
     if not best.startswith("specgraph"):
         return StepPlan((1,), "inductor", line + f" -> a static graph for 1-token steps ({best})")
-    if times.get("specgraph gemv (8 rows)", float("inf")) < 0.95 * times["oneDNN (8 rows)"]:
-        return StepPlan((1, 8), "gemv", line + " -> static graphs for steps of 1 and of up to 8 tokens (specgraph gemv)")
+    wide = tuple(rows for rows in WIDE_BUCKETS
+                 if times.get(f"specgraph gemv ({rows} rows)", float("inf")) < 0.95 * times[f"oneDNN ({rows} rows)"])
+    if wide:
+        return StepPlan((1,) + wide, "gemv", line + " -> static graphs for steps of 1 and of up to "
+                        + " and ".join(map(str, wide)) + " tokens (specgraph gemv)")
     return StepPlan((1,), "gemv", line + f" -> a static graph for 1-token steps ({best})")
 
 
@@ -188,21 +196,22 @@ def _time_linears(weights: list[torch.Tensor], repeats: int = 7) -> dict[str, fl
     candidates interleaved so that load swings hit all of them."""
     from ..kernels import cpu_kernels
 
-    x = {rows: {w.shape[1]: torch.randn(rows, w.shape[1]) for w in weights} for rows in (1, 2, 8)}
+    x = {rows: {w.shape[1]: torch.randn(rows, w.shape[1]) for w in weights} for rows in (1, 2) + WIDE_BUCKETS}
     dnn = [(w, torch.ops.mkldnn._reorder_linear_weight(w, 2)) for w in weights]
 
     def onednn(rows: int):
         return lambda: [torch.ops.mkldnn._linear_pointwise(x[rows][w.shape[1]], p, None, "none", [], "")
                         for w, p in dnn]
 
-    runs = {"oneDNN (2 rows)": onednn(2), "oneDNN (8 rows)": onednn(8)}
+    runs = {f"oneDNN ({rows} rows)": onednn(rows) for rows in (2,) + WIDE_BUCKETS}
     if torch._C.has_mkl:
         mkl = [(w, torch.ops.mkl._mkl_reorder_linear_weight(w, 1)) for w in weights]
         runs["MKL (1 row)"] = lambda: [torch.ops.mkl._mkl_linear(x[1][w.shape[1]], p, w, None, 1) for w, p in mkl]
     gemv = cpu_kernels.native_op("gemv")
     if gemv is not None:
         runs["specgraph gemv (1 row)"] = lambda: [gemv(x[1][w.shape[1]], w, None) for w in weights]
-        runs["specgraph gemv (8 rows)"] = lambda: [gemv(x[8][w.shape[1]], w, None) for w in weights]
+        for rows in WIDE_BUCKETS:
+            runs[f"specgraph gemv ({rows} rows)"] = lambda rows=rows: [gemv(x[rows][w.shape[1]], w, None) for w in weights]
     best = {name: float("inf") for name in runs}
     with torch.no_grad():
         for fn in runs.values():  # warm-up

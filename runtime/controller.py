@@ -232,6 +232,8 @@ class SpeculationController:
         if longest <= 0:
             return
         sample = seconds / longest
+        if self._draft_samples >= 3:  # a draft model's first call on a request also reads its prompt
+            sample = min(sample, 2.0 * self.draft_seconds_per_position)
         self._draft_samples += 1
         w = max(0.2, 1.0 / self._draft_samples)
         self.draft_seconds_per_position += w * (sample - self.draft_seconds_per_position)

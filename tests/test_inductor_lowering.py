@@ -166,6 +166,36 @@ def test_static_buckets_and_the_dynamic_graph_equal_the_eager_program(linears):
     assert compiled.compiles == 3
 
 
+def _timings(gemv_1, onednn_2, gemv_4, onednn_4, gemv_8, onednn_8):
+    return {"oneDNN (2 rows)": onednn_2, "oneDNN (4 rows)": onednn_4, "oneDNN (8 rows)": onednn_8,
+            "MKL (1 row)": 10.0, "specgraph gemv (1 row)": gemv_1, "specgraph gemv (4 rows)": gemv_4,
+            "specgraph gemv (8 rows)": gemv_8}
+
+
+@pytest.mark.parametrize("times, buckets", [
+    (_timings(6, 9, 7, 9, 9.5, 8.6), (1, 4)),  # the AVX-512 EPYC: gemv wins at 1 and 4 rows, loses at 8
+    (_timings(6, 9, 7, 9, 7, 9), (1, 4, 8)),
+    (_timings(6, 9, 9, 9, 9.5, 8.6), (1,)),  # a tie at 4 rows is no reason for another graph
+    (_timings(9, 8, 5, 9, 5, 9), ()),  # oneDNN wins a decode: the dynamic graph serves everything
+])
+def test_step_graphs_follow_the_measured_linears(times, buckets, monkeypatch):
+    """The static step graphs come from the timings: one for 1 token when the C++ kernel beats
+    oneDNN's 2-row GEMM, and one for each wider step it also wins by 5%."""
+    from specgraph.compiler import inductor
+
+    class Linear(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(8, 8))
+
+        def forward(self, x):
+            return torch.ops.aten.linear.default(x, self.w)
+
+    monkeypatch.setattr(inductor, "_time_linears", lambda weights: times)
+    plan = inductor.choose_buckets(torch.fx.symbolic_trace(Linear()), torch.device("cpu"))
+    assert plan.buckets == buckets, plan.reason
+
+
 def test_triton_interpret_lowering_runs_a_decoder_end_to_end(tmp_path):
     """CI's proof that the whole decoder lowers to generated Triton kernels: Inductor's Triton code
     for CPU tensors plus specgraph's Triton kernels, all in the interpreter, greedy equal to the

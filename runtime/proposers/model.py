@@ -39,8 +39,11 @@ class ModelProposer:
         drafts = {r.request_id: [] for r in requests}
         qs: dict[int, list[torch.Tensor]] = {r.request_id: [] for r in requests}
         active = [r for r in requests if r.k > 0]
-        # step 0 feeds everything the drafter has not seen (the prompt on a request's first step)
-        feed = {r.request_id: r.token_ids[min(self._fed.get(r.request_id, 0), len(r.token_ids) - 1):] for r in active}
+        # step 0 feeds everything the drafter has not seen: a draft model's own cache lacks the prompt
+        # on a request's first step; layer_skip's layers already hold every committed token but the
+        # last (the target computed them)
+        feed = {r.request_id: r.token_ids[min(self._fed.get(r.request_id, self._first_fed(r)), len(r.token_ids) - 1):]
+                for r in active}
         start = {r.request_id: len(r.token_ids) - len(feed[r.request_id]) for r in active}
         for step in range(max((r.k for r in active), default=0)):
             live = [r for r in active if len(drafts[r.request_id]) < r.k and step < r.k]
@@ -72,6 +75,9 @@ class ModelProposer:
             probs = torch.stack(qs[r.request_id]) if qs[r.request_id] else None
             out.append(Draft(token_ids=drafts[r.request_id], probs=probs))
         return out
+
+    def _first_fed(self, r: DraftRequest) -> int:
+        return len(r.token_ids) - 1 if self.shares_target_cache else 0
 
     def on_verified(self, request_id: int, num_committed: int) -> None:
         if self.shares_target_cache:
