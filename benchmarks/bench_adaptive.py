@@ -30,8 +30,6 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import cpu_description, fmt, format_table, load_average, log, print_report, quiet_torch  # noqa: E402
 from prompts import CHAT_PROMPTS, CODE_PROMPTS, HELDOUT_CHAT_PROMPTS, HELDOUT_CODE_PROMPTS, WARMUP_PROMPT  # noqa: E402

@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import specgraph
+from specgraph.runtime.controller import ForwardCost
 from specgraph.runtime import engine as engine_module
 from specgraph.runtime.proposers.base import Draft
 
@@ -152,6 +153,10 @@ class EngineMachine(RuleBasedStateMachine):
         self.engine = make_engine(page, fits_one + 1 + slack, max_num_seqs=max_num_seqs, max_tokens_per_step=budget,
                                   prefix_caching=prefix_caching, draft=draft, num_draft_tokens=k,
                                   adaptive=adaptive and speculate)
+        if self.engine.controller is not None:  # decisions from acceptance only: hypothesis replays must agree
+            self.engine.controller.forward_cost = ForwardCost({1: 1.0, 8: 1.3, 32: 4.0})
+            self.engine.controller.observe_forward = lambda n, seconds: None
+            self.engine.controller.observe_draft = lambda seconds, longest: None
         self.requests = []
         self.aborted = set()
 
