@@ -168,48 +168,61 @@ struct Fp8Weights {
 #endif
 };
 
-// y[r, n + j] for R rows of float x and NB weight rows (fp8 / bfloat16), times the row's scale (or 1)
-template <class W, int R, int NB>
-static inline void widened_tile(const float* x, int64_t m0, const typename W::T* w, const float* ws, float unit,
-                                const float* b, float* y, int64_t K, int64_t N, int64_t n) {
+// A vector width for the widening loop: 8 floats (AVX2) or, where the compiler targets AVX-512,
+// 16 (on a compute-bound widening, about 1.3x the 8-wide loop).
+struct Lanes8 {
+  using V = __m256;
+  static constexpr int64_t kWidth = 8;
+  static inline V zero() { return _mm256_setzero_ps(); }
+  static inline V load(const float* p) { return _mm256_loadu_ps(p); }
+  static inline V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static inline float sum(V v) { return hsum8(v); }
+  template <class W>
+  static inline V widen(const typename W::T* p) { return W::load8(p); }
+};
 #ifdef __AVX512F__
-  if (K % 16 == 0) {  // 16 weights per instruction (on a compute-bound widening, about 1.3x the 8-wide loop)
-    __m512 acc[R][NB];
-    for (int r = 0; r < R; ++r)
-      for (int j = 0; j < NB; ++j) acc[r][j] = _mm512_setzero_ps();
-    for (int64_t k = 0; k < K; k += 16) {
-      __m512 wv[NB];
-      for (int j = 0; j < NB; ++j) wv[j] = W::load16(w + (n + j) * K + k);
-      if (k % (64 / sizeof(typename W::T)) == 0)
-        for (int j = 0; j < NB; ++j) prefetch(reinterpret_cast<const char*>(w + (n + j) * K + k) + kAhead);
-      for (int r = 0; r < R; ++r) {
-        const __m512 xv = _mm512_loadu_ps(x + (m0 + r) * K + k);
-        for (int j = 0; j < NB; ++j) acc[r][j] = _mm512_fmadd_ps(wv[j], xv, acc[r][j]);
-      }
-    }
-    for (int r = 0; r < R; ++r)
-      for (int j = 0; j < NB; ++j)
-        y[(m0 + r) * N + n + j] =
-            _mm512_reduce_add_ps(acc[r][j]) * (ws ? ws[n + j] * unit : 1.f) + (b ? b[n + j] : 0.f);
-    return;
-  }
+struct Lanes16 {
+  using V = __m512;
+  static constexpr int64_t kWidth = 16;
+  static inline V zero() { return _mm512_setzero_ps(); }
+  static inline V load(const float* p) { return _mm512_loadu_ps(p); }
+  static inline V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static inline float sum(V v) { return _mm512_reduce_add_ps(v); }
+  template <class W>
+  static inline V widen(const typename W::T* p) { return W::load16(p); }
+};
 #endif
-  __m256 acc[R][NB];
+
+// y[r, n + j] for R rows of float x and NB weight rows (int8 / fp8 / bfloat16), times the row's
+// scale (or 1), L::kWidth weights per instruction
+template <class L, class W, int R, int NB>
+static inline void widened_lanes(const float* x, int64_t m0, const typename W::T* w, const float* ws, float unit,
+                                 const float* b, float* y, int64_t K, int64_t N, int64_t n) {
+  typename L::V acc[R][NB];
   for (int r = 0; r < R; ++r)
-    for (int j = 0; j < NB; ++j) acc[r][j] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < K; k += 8) {
-    __m256 wv[NB];
-    for (int j = 0; j < NB; ++j) wv[j] = W::load8(w + (n + j) * K + k);
+    for (int j = 0; j < NB; ++j) acc[r][j] = L::zero();
+  for (int64_t k = 0; k < K; k += L::kWidth) {
+    typename L::V wv[NB];
+    for (int j = 0; j < NB; ++j) wv[j] = L::template widen<W>(w + (n + j) * K + k);
     if (k % (64 / sizeof(typename W::T)) == 0)  // one prefetch per 64-byte line
       for (int j = 0; j < NB; ++j) prefetch(reinterpret_cast<const char*>(w + (n + j) * K + k) + kAhead);
     for (int r = 0; r < R; ++r) {
-      const __m256 xv = _mm256_loadu_ps(x + (m0 + r) * K + k);
-      for (int j = 0; j < NB; ++j) acc[r][j] = _mm256_fmadd_ps(wv[j], xv, acc[r][j]);
+      const typename L::V xv = L::load(x + (m0 + r) * K + k);
+      for (int j = 0; j < NB; ++j) acc[r][j] = L::fma(wv[j], xv, acc[r][j]);
     }
   }
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < NB; ++j)
-      y[(m0 + r) * N + n + j] = hsum8(acc[r][j]) * (ws ? ws[n + j] * unit : 1.f) + (b ? b[n + j] : 0.f);
+      y[(m0 + r) * N + n + j] = L::sum(acc[r][j]) * (ws ? ws[n + j] * unit : 1.f) + (b ? b[n + j] : 0.f);
+}
+
+template <class W, int R, int NB>
+static inline void widened_tile(const float* x, int64_t m0, const typename W::T* w, const float* ws, float unit,
+                                const float* b, float* y, int64_t K, int64_t N, int64_t n) {
+#ifdef __AVX512F__
+  if (K % 16 == 0) return widened_lanes<Lanes16, W, R, NB>(x, m0, w, ws, unit, b, y, K, N, n);
+#endif
+  widened_lanes<Lanes8, W, R, NB>(x, m0, w, ws, unit, b, y, K, N, n);
 }
 #endif
 
