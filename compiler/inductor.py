@@ -169,10 +169,17 @@ def choose_buckets(gm: fx.GraphModule, device: torch.device) -> StepPlan:
                     weights.append(t.detach())
                     total += t.numel() * 4
     if not weights:
-        if any(n.op == "call_function" and n.target == torch.ops.specgraph.quant_linear.default for n in gm.graph.nodes):
-            return StepPlan((1, 8), "inductor", "quantized linears (specgraph's kernel at any row count) -> static "
-                                                "graphs for steps of 1 and of up to 8 tokens: their C++ wrapper "
-                                                "saves host time")
+        quantized = [n for n in gm.graph.nodes
+                     if n.op == "call_function" and n.target == torch.ops.specgraph.quant_linear.default]
+        if quantized:
+            reason = ("quantized linears (specgraph's kernel at any row count) -> static graphs for steps of 1 and "
+                      "of up to 8 tokens: their C++ wrapper saves host time")
+            bf16 = _bf16_weights(gm, quantized)
+            if bf16:
+                from ..kernels import cpu_kernels
+
+                reason += "; " + cpu_kernels.choose_bf16_products(bf16)
+            return StepPlan((1, 8), "inductor", reason)
         return StepPlan((), "inductor", "no float32 linears: every step runs the dynamic graph")
     times = _time_linears(weights)
     line = (f"few-row GEMMs over {total / 2**20:.0f} MiB of the model's weights: "
@@ -189,6 +196,18 @@ def choose_buckets(gm: fx.GraphModule, device: torch.device) -> StepPlan:
         return StepPlan((1,) + wide, "gemv", line + " -> static graphs for steps of 1 and of up to "
                         + " and ".join(map(str, wide)) + " tokens (specgraph gemv)")
     return StepPlan((1,), "gemv", line + f" -> a static graph for 1-token steps ({best})")
+
+
+def _bf16_weights(gm: fx.GraphModule, quantized: list[fx.Node]) -> list[torch.Tensor]:
+    """The bfloat16 weights of the quantized linears ``quantized``, each once, in graph order."""
+    seen, out = set(), []
+    for node in quantized:
+        w = node.args[1]
+        scheme = node.args[4] if len(node.args) > 4 else node.kwargs.get("scheme")
+        if scheme == "bfloat16" and isinstance(w, fx.Node) and w.op == "get_attr" and w.target not in seen:
+            seen.add(w.target)
+            out.append(attr_value(gm, w.target).detach())
+    return out
 
 
 def _time_linears(weights: list[torch.Tensor], repeats: int = 7) -> dict[str, float]:

@@ -39,7 +39,9 @@ says why. The pure-torch reference it is tested against is ``paged_attention.pag
 """
 from __future__ import annotations
 
+import contextlib
 import threading
+import time
 import warnings
 from pathlib import Path
 
@@ -74,7 +76,8 @@ def load():
                 _module = load_inline(
                     name=_EXTENSION, cpp_sources=[CPP_SOURCE],
                     functions=["paged_attention_short", "cache_write_rows", "attention_pays", "quant_linear_cpu",
-                               "quant_linear_applies"],
+                               "quant_linear_applies", "set_bf16_dot_max_rows",
+                               "bf16_dot_available"],
                     extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"], extra_ldflags=["-fopenmp"],
                     verbose=False)
                 _register_native_fakes()
@@ -201,3 +204,60 @@ def _cpp_quant_linear_takes(x, weight, scales, bias, scheme) -> bool:
 
 
 register("quant_linear", "cpp", quant_linear_cpp, ("cpu",), applies=_cpp_quant_linear_takes, priority=10)
+
+
+BF16_DOT_ROWS = (1, 2, 4, 8)  # row counts of x choose_bf16_products times
+
+
+def choose_bf16_products(weights: list[torch.Tensor], repeats: int = 5) -> str:
+    """Set, by measurement, up to how many rows of x bfloat16 weights run on the CPU's native bf16 dot
+    products (``cpu_quant_linear.cpp``: x split into two bf16 parts, so the result stays within
+    float32 rounding of widening the weights) instead of being widened to float32; returns what it
+    measured and chose. ``weights``: the model's bfloat16 ``[N, K]`` weights (K % 32 == 0), streamed
+    as a decode step streams them. A CPU without the instructions (or a build without the
+    extension) keeps widening. The switch is process-wide: the choice belongs to the machine."""
+    module = load()
+    if module is None or not weights:
+        return "bfloat16 weights: widened (no C++ kernels)" if module is None else "no bfloat16 weights"
+    if not module.bf16_dot_available():
+        return "bfloat16 weights: widened to float32 (this CPU has no native bf16 dot products)"
+    weights = [w for w in weights if w.shape[1] % 32 == 0]
+    x = {rows: {w.shape[1]: torch.randn(rows, w.shape[1]) for w in weights} for rows in BF16_DOT_ROWS}
+
+    def run(rows: int) -> None:
+        for w in weights:
+            module.quant_linear_cpu(x[rows][w.shape[1]], w, None, None, "bfloat16")
+
+    best = {(way, rows): float("inf") for way in ("widened", "native") for rows in BF16_DOT_ROWS}
+    for round_ in range(repeats + 1):  # the first round warms up
+        for (way, rows) in best:
+            with bf16_products(rows if way == "native" else 0):
+                t0 = time.perf_counter()
+                run(rows)
+                elapsed = time.perf_counter() - t0
+            if round_ > 0:
+                best[way, rows] = min(best[way, rows], elapsed)
+    # native dots up to the largest row count below which they win (by 5%) at every count timed
+    # (they lose where the products, not the widening, bound the time: vdpbf16ps has half FMA's ports)
+    upto = 0
+    for rows in BF16_DOT_ROWS:
+        if best["native", rows] >= 0.95 * best["widened", rows]:
+            break
+        upto = rows
+    module.set_bf16_dot_max_rows(upto)
+    line = ", ".join(f"{rows} rows {best['widened', rows] * 1e3:.2f}/{best['native', rows] * 1e3:.2f} ms"
+                     for rows in BF16_DOT_ROWS)
+    choice = f"native bf16 dots up to {upto} rows, widened above" if upto else "widened to float32"
+    return f"bfloat16 weights, widened/native bf16 dots: {line} -> {choice}"
+
+
+@contextlib.contextmanager
+def bf16_products(max_rows: int):
+    """Within the block, bfloat16 weights run on native bf16 dot products up to ``max_rows`` rows of
+    x (0: widened), where the CPU has them; the process's choice is restored after."""
+    module = load()
+    previous = module.set_bf16_dot_max_rows(max_rows)
+    try:
+        yield module.bf16_dot_available()
+    finally:
+        module.set_bf16_dot_max_rows(previous)

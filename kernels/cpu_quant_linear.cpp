@@ -7,6 +7,12 @@
 // group's min turns into min_g * sum_g(x).
 // int8 / fp8 / bfloat16 weights: widened to float in registers (int8 by two conversions, fp8
 // through float16 bits and F16C, bfloat16 by a shift) and multiplied by float activations.
+// bfloat16 weights on a CPU with native bf16 dot products (AVX512_BF16 vdpbf16ps), when the
+// process switch says they pay (set by measurement, cpu_kernels.choose_bf16_products): each row
+// of x is split once per call into two bfloat16 parts, hi = bf16(x) and lo = bf16(x - hi), and
+// hi.w + lo.w runs on vdpbf16ps (32 products per instruction, no widening): |x - hi - lo| <=
+// 2^-18 |x|, so the result is within 2^-17 of |x|.|w| of the widened one. vdpbf16ps has one port
+// where FMA has two, so this pays where widening costs more than the doubled products: few rows.
 //
 // Tiling: each thread owns a range of output channels; a tile is R rows of x by NB weight rows
 // (NB = 4 for one row of x, else 2), so each weight byte is loaded once per R rows (R up to 4).
@@ -27,7 +33,34 @@ struct QuantizedRows {
   std::vector<int8_t> codes;
   std::vector<float> scale;
   std::vector<float> scaled_sum;
+  std::vector<uint16_t> bf16_hi, bf16_lo;  // bfloat16 weights on native dots: x's two bf16 parts [M, K]
 };
+
+// largest row count of x at which bfloat16 weights run on native bf16 dot products (0: never)
+static int64_t g_bf16_dot_max_rows = 0;
+
+static bool bf16_dot_available() {
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+static void split_bf16_rows(const float* x, int64_t M, int64_t K, QuantizedRows* q) {
+  q->bf16_hi.resize(M * K);
+  q->bf16_lo.resize(M * K);
+  for (int64_t i = 0; i < M * K; i += 16) {  // K % 32 == 0 (kernel_applies)
+    const __m512 v = _mm512_loadu_ps(x + i);
+    const __m256bh hi = _mm512_cvtneps_pbh(v);
+    const __m512 hi_f = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)hi), 16));
+    const __m256bh lo = _mm512_cvtneps_pbh(_mm512_sub_ps(v, hi_f));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q->bf16_hi.data() + i), (__m256i)hi);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q->bf16_lo.data() + i), (__m256i)lo);
+  }
+}
+#endif
 
 static QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K) {
   const int64_t KB = K / kBlock;
@@ -224,6 +257,32 @@ static inline void widened_tile(const float* x, int64_t m0, const typename W::T*
 #endif
   widened_lanes<Lanes8, W, R, NB>(x, m0, w, ws, unit, b, y, K, N, n);
 }
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+// y[r, n + j] for R rows of x (as its two bf16 parts) and NB bfloat16 weight rows, on vdpbf16ps
+template <int R, int NB>
+static inline void bf16_dot_tile(const QuantizedRows& q, int64_t m0, const at::BFloat16* w, const float* b, float* y,
+                                 int64_t K, int64_t N, int64_t n) {
+  __m512 acc[R][NB];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NB; ++j) acc[r][j] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 32) {  // 32 weights = one 64-byte line per row
+    __m512bh wv[NB];
+    for (int j = 0; j < NB; ++j) {
+      const at::BFloat16* p = w + (n + j) * K + k;
+      wv[j] = (__m512bh)_mm512_loadu_si512(p);
+      prefetch(reinterpret_cast<const char*>(p) + kAhead);
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512bh hi = (__m512bh)_mm512_loadu_si512(q.bf16_hi.data() + (m0 + r) * K + k);
+      const __m512bh lo = (__m512bh)_mm512_loadu_si512(q.bf16_lo.data() + (m0 + r) * K + k);
+      for (int j = 0; j < NB; ++j) acc[r][j] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(acc[r][j], lo, wv[j]), hi, wv[j]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NB; ++j) y[(m0 + r) * N + n + j] = _mm512_reduce_add_ps(acc[r][j]) + (b ? b[n + j] : 0.f);
+}
+#endif
 #endif
 
 // One call's weights: the storage and its scales (int8/fp8: float32 per row; int4: float16
@@ -279,6 +338,9 @@ static inline void tile(const Weights& wt, const float* x, const QuantizedRows& 
                                       N, n);
       break;
     case Weights::kBf16:
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+      if (!q.bf16_hi.empty()) return bf16_dot_tile<R, NB>(q, m0, static_cast<const at::BFloat16*>(wt.data), b, y, K, N, n);
+#endif
       widened_tile<Bf16Weights, R, NB>(x, m0, static_cast<const at::BFloat16*>(wt.data), nullptr, 1.f, b, y, K, N,
                                        n);
       break;
@@ -380,7 +442,11 @@ static torch::Tensor run(const torch::Tensor& x, const torch::Tensor& weight, co
   torch::Tensor bc = bias.has_value() ? bias->contiguous() : torch::Tensor();
   const float* bp = bias.has_value() ? bc.data_ptr<float>() : nullptr;
   const float* xp = xs.data_ptr<float>();
-  const QuantizedRows q = wt.kind == Weights::kInt4 ? quantize_rows(xp, M, K) : QuantizedRows{};
+  QuantizedRows q = wt.kind == Weights::kInt4 ? quantize_rows(xp, M, K) : QuantizedRows{};
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+  if (wt.kind == Weights::kBf16 && M <= g_bf16_dot_max_rows && K % 32 == 0)
+    split_bf16_rows(xp, M, K, &q);
+#endif
   std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
   out_shape.back() = N;
   auto y = torch::empty({M, N}, x.options());
@@ -417,6 +483,16 @@ torch::Tensor quant_linear_cpu(torch::Tensor x, torch::Tensor weight, c10::optio
               "quant_linear_cpu: arguments the C++ kernel does not take");
   return specgraph_qlinear::run(x, weight, scales, bias, scheme);
 }
+
+// the process switch for bfloat16 weights: native bf16 dot products up to this many rows of x
+// (0: always widen; a build without the instructions keeps 0); returns the previous value
+int64_t set_bf16_dot_max_rows(int64_t rows) {
+  const int64_t previous = specgraph_qlinear::g_bf16_dot_max_rows;
+  specgraph_qlinear::g_bf16_dot_max_rows = specgraph_qlinear::bf16_dot_available() ? std::max<int64_t>(rows, 0) : 0;
+  return previous;
+}
+
+bool bf16_dot_available() { return specgraph_qlinear::bf16_dot_available(); }
 
 bool quant_linear_applies(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> scales,
                           c10::optional<torch::Tensor> bias, std::string scheme) {

@@ -8,6 +8,8 @@
   own scheme);
 * every weight dtype works with every KV dtype and proposer: greedy speculative == greedy plain.
 """
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -68,10 +70,11 @@ def _rounding_slack(x: torch.Tensor, w: torch.Tensor, scheme: str) -> float:
 @settings(max_examples=60, deadline=None)
 @given(scheme=st.sampled_from(WEIGHT_SCHEMES), group=st.sampled_from([32, 64]), rows=st.integers(1, 12),
        n=st.integers(1, 70), blocks=st.integers(1, 6), bias=st.booleans(), zero_block=st.booleans(),
-       seed=st.integers(0, 2**16), tail=st.booleans())
-def test_cpp_kernel_matches_reference(scheme, group, rows, n, blocks, bias, zero_block, seed, tail):
+       seed=st.integers(0, 2**16), tail=st.booleans(), bf16_dot=st.booleans())
+def test_cpp_kernel_matches_reference(scheme, group, rows, n, blocks, bias, zero_block, seed, tail, bf16_dot):
     """``tail``: an input size of 8 mod 16 for the widened formats (the 8-wide loop where the
-    kernel otherwise takes 16 at a time)."""
+    kernel otherwise takes 16 at a time). ``bf16_dot``: bfloat16 weights on the CPU's native bf16
+    dot products, where it has them (x split into two bf16 parts: within 2^-17 of |x| @ |w|)."""
     cpp = _cpp()
     gen = torch.Generator().manual_seed(seed)
     k = blocks * 64 if scheme == "int4" and group == 64 else blocks * ACT_BLOCK
@@ -83,11 +86,33 @@ def test_cpp_kernel_matches_reference(scheme, group, rows, n, blocks, bias, zero
     b = torch.randn(n, generator=gen) if bias else None
     data, scales = quantize_weight(w, scheme, group)
     want = quant_linear_ref(x, data, scales, b, scheme)
-    tol = 1e-5 * float(want.abs().max()) + 1e-5 + _rounding_slack(x, dequantize_weight(data, scales, scheme), scheme)
-    for got in (cpp.quant_linear_cpp(x, data, scales, b, scheme),
-                torch.ops.specgraph_cpu.quant_linear(x.view(1, rows, k), data, scales, b, scheme).view(rows, n)):
-        assert got.shape == want.shape
-        assert (got - want).abs().max() <= tol
+    w_back = dequantize_weight(data, scales, scheme)
+    tol = 1e-5 * float(want.abs().max()) + 1e-5 + _rounding_slack(x, w_back, scheme)
+    with cpp.bf16_products(rows if bf16_dot else 0) as native:
+        if native and bf16_dot and scheme == "bfloat16":
+            tol += 2.0 ** -17 * float((x.abs() @ w_back.abs().T).max())
+        for got in (cpp.quant_linear_cpp(x, data, scales, b, scheme),
+                    torch.ops.specgraph_cpu.quant_linear(x.view(1, rows, k), data, scales, b, scheme).view(rows, n)):
+            assert got.shape == want.shape
+            assert (got - want).abs().max() <= tol
+
+
+def test_native_bf16_dots_are_built_where_the_cpu_has_them_and_chosen_by_measurement():
+    cpp = _cpp()
+    flags = set()
+    if os.path.exists("/proc/cpuinfo"):
+        flags = {f for line in open("/proc/cpuinfo") if line.startswith("flags") for f in line.split(":")[1].split()}
+    if {"avx512_bf16", "avx512f"} <= flags:  # the extension is built with -march=native
+        assert cpp.load().bf16_dot_available()
+    weights = [torch.randn(64, 96).bfloat16() for _ in range(3)]
+    with cpp.bf16_products(0):
+        line = cpp.choose_bf16_products(weights, repeats=1)
+        chosen = cpp.load().set_bf16_dot_max_rows(0)
+    if cpp.load().bf16_dot_available():
+        assert "widened/native bf16 dots: 1 rows" in line and chosen in (0,) + cpp.BF16_DOT_ROWS
+        assert ("native bf16 dots up to" in line) == (chosen > 0)
+    else:
+        assert "no native bf16 dot products" in line and chosen == 0
 
 
 def test_registry_runs_the_cpp_kernel_on_cpu_float32_and_the_reference_otherwise():
