@@ -92,6 +92,89 @@ void cache_write_rows(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, t
   }
 }
 
+// Where a work item's K and V rows come from. Each source fills off[j - kb] with the offset (in
+// floats, from the returned bases) of key j's row of kv head kvh, for keys kb .. k1 - 1.
+// FloatRows: a float32 cache [num_blocks, P, KVH, D], read in place.
+struct FloatRows {
+  const float* k;
+  const float* v;
+  int64_t KVH;
+  void gather(const int32_t* table, int64_t P, int64_t kvh, int64_t D, int64_t kb, int64_t k1,
+              std::vector<int64_t>& off, std::vector<float>&, std::vector<float>&, const float** kbase,
+              const float** vbase) const {
+    off.resize(k1 - kb);
+    for (int64_t j = kb; j < k1; ++j) off[j - kb] = ((static_cast<int64_t>(table[j / P]) * P + j % P) * KVH + kvh) * D;
+    *kbase = k;
+    *vbase = v;
+  }
+};
+
+// Quantized caches (layouts in quant.py): the item's rows are dequantized once into the thread's
+// buffers (nk x D floats each, L2-resident), which the float loops then read; each quantized byte
+// of the item's range is read once. fp8: e4m3 bytes [num_blocks, P, KVH, D] and a float32 scale per
+// (slot, kv head): value = e4m3 * scale (e4m3 -> float through float16 bits: value * 2^-8 exactly,
+// 2^8 folded into the scale, as quant.dequantize_fp8). int4: bytes [num_blocks, P, KVH, D / 2]
+// (element 2i the low nibble of byte i, 2i + 1 the high one) and float16 (scale, min) per group of
+// a row: value = code * scale + min.
+static inline void dequant_fp8_row(const uint8_t* p, float scale, float* out, int64_t D) {
+  int64_t d = 0;
+#ifdef SPECGRAPH_AVX2
+  const __m256 s = _mm256_set1_ps(scale * 256.f);
+  for (; d + 8 <= D; d += 8) {
+    const __m128i u = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + d)));
+    const __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(u, _mm_set1_epi16(0x80)), 8),
+                                   _mm_slli_epi16(_mm_and_si128(u, _mm_set1_epi16(0x7F)), 7));
+    _mm256_storeu_ps(out + d, _mm256_mul_ps(_mm256_cvtph_ps(h), s));
+  }
+#endif
+  for (; d < D; ++d) out[d] = static_cast<float>(c10::bit_cast<c10::Float8_e4m3fn>(p[d])) * scale;
+}
+
+static inline void dequant_int4_row(const uint8_t* p, const at::Half* params, int64_t group, float* out, int64_t D) {
+  for (int64_t g0 = 0; g0 < D; g0 += group) {
+    const float scale = static_cast<float>(params[(g0 / group) * 2]), mn = static_cast<float>(params[(g0 / group) * 2 + 1]);
+    const uint8_t* b = p + g0 / 2;
+    float* o = out + g0;
+#pragma omp simd
+    for (int64_t i = 0; i < group / 2; ++i) {
+      o[2 * i] = static_cast<float>(b[i] & 15) * scale + mn;
+      o[2 * i + 1] = static_cast<float>(b[i] >> 4) * scale + mn;
+    }
+  }
+}
+
+struct QuantRows {
+  bool int4;
+  const uint8_t* k;
+  const uint8_t* v;
+  const void* k_params;  // fp8: float [slots, KVH]; int4: at::Half [slots, KVH, D / group, 2]
+  const void* v_params;
+  int64_t KVH, k_group, v_group;
+  void gather(const int32_t* table, int64_t P, int64_t kvh, int64_t D, int64_t kb, int64_t k1,
+              std::vector<int64_t>& off, std::vector<float>& kbuf, std::vector<float>& vbuf, const float** kbase,
+              const float** vbase) const {
+    const int64_t nk = k1 - kb, row_bytes = int4 ? D / 2 : D;
+    off.resize(nk);
+    kbuf.resize(nk * D);
+    vbuf.resize(nk * D);
+    for (int64_t j = kb; j < k1; ++j) {
+      const int64_t i = j - kb, slot_head = (static_cast<int64_t>(table[j / P]) * P + j % P) * KVH + kvh;
+      off[i] = i * D;
+      if (int4) {
+        dequant_int4_row(k + slot_head * row_bytes, static_cast<const at::Half*>(k_params) + slot_head * (D / k_group) * 2,
+                         k_group, kbuf.data() + i * D, D);
+        dequant_int4_row(v + slot_head * row_bytes, static_cast<const at::Half*>(v_params) + slot_head * (D / v_group) * 2,
+                         v_group, vbuf.data() + i * D, D);
+      } else {
+        dequant_fp8_row(k + slot_head * row_bytes, static_cast<const float*>(k_params)[slot_head], kbuf.data() + i * D, D);
+        dequant_fp8_row(v + slot_head * row_bytes, static_cast<const float*>(v_params)[slot_head], vbuf.data() + i * D, D);
+      }
+    }
+    *kbase = kbuf.data();
+    *vbase = vbuf.data();
+  }
+};
+
 // q [N, H, D], k_cache/v_cache [num_blocks, P, KVH, D] (float32, contiguous), block_tables [S, MB]
 // int32, seq_lens [S] int32, query_start_loc [S + 1] int32, positions [N] int64 -> out [N, H, D].
 // Token i (position p) of sequence s sees keys lo .. hi - 1: hi = min(p + 1, seq_lens[s]), lo = 0, or
@@ -102,12 +185,13 @@ void cache_write_rows(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, t
 // sequence's visible ranges is read once and used by every query token and head of its group that
 // sees it; keys before that union are never touched (a windowed decode reads `window` keys at any
 // context). Items per kv head let one sequence's decode use every thread.
-torch::Tensor paged_attention_short(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                    torch::Tensor block_tables, torch::Tensor seq_lens,
-                                    torch::Tensor query_start_loc, torch::Tensor positions, double scale,
-                                    int64_t window, double softcap, c10::optional<torch::Tensor> alibi_slopes) {
+// Rows: where the K/V rows come from (FloatRows, QuantRows); P, KVH and num_blocks: the cache's geometry.
+template <class Rows>
+static torch::Tensor attend_rows(torch::Tensor q, const Rows& rows, int64_t P, int64_t KVH, int64_t num_blocks,
+                                 torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor query_start_loc,
+                                 torch::Tensor positions, double scale, int64_t window, double softcap,
+                                 c10::optional<torch::Tensor> alibi_slopes) {
   const int64_t N = q.size(0), H = q.size(1), D = q.size(2);
-  const int64_t P = k_cache.size(1), KVH = k_cache.size(2), num_blocks = k_cache.size(0);
   const int64_t G = H / KVH, S = seq_lens.size(0), MB = block_tables.size(1);
   TORCH_CHECK(window >= 0 && softcap >= 0.0, "window and softcap must be >= 0; got ", window, " and ", softcap);
   const float* slopes = nullptr;
@@ -119,8 +203,6 @@ torch::Tensor paged_attention_short(torch::Tensor q, torch::Tensor k_cache, torc
   }
   auto out = torch::zeros({N, H, D}, q.options());
   const float* qp = q.data_ptr<float>();
-  const float* kp = k_cache.data_ptr<float>();
-  const float* vp = v_cache.data_ptr<float>();
   const int32_t* bt = block_tables.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
@@ -128,9 +210,8 @@ torch::Tensor paged_attention_short(torch::Tensor q, torch::Tensor k_cache, torc
   float* op = out.data_ptr<float>();
   const float sc = static_cast<float>(scale);
   const float cap = static_cast<float>(softcap), inv_cap = softcap > 0.0 ? static_cast<float>(1.0 / softcap) : 0.f;
-  const int64_t row = KVH * D;  // floats per cache slot
   at::parallel_for(0, S * KVH, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
+    std::vector<float> scores, kbuf, vbuf;
     std::vector<int64_t> lo, hi, off;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t s = item / KVH, kvh = item % KVH, h0 = kvh * G;  // query heads h0 .. h0 + G - 1
@@ -162,10 +243,9 @@ torch::Tensor paged_attention_short(torch::Tensor q, torch::Tensor k_cache, torc
       auto attend = [&](auto windowed) {
         constexpr bool W = decltype(windowed)::value;
         const int64_t kb = W ? k0 : 0;
-        // cache offsets (floats) of this kv head's row of keys kb .. k1 - 1
-        off.resize(k1 - kb);
-        for (int64_t j = kb; j < k1; ++j)
-          off[j - kb] = (static_cast<int64_t>(table[j / P]) * P + j % P) * row + kvh * D;
+        // offsets (floats, from kp / vp) of this kv head's rows of keys kb .. k1 - 1
+        const float *kp, *vp;
+        rows.gather(table, P, kvh, D, kb, k1, off, kbuf, vbuf, &kp, &vp);
         // scores[(t * G + g) * nk + j - kb] for query head h0 + g; each key row read once
         scores.assign(T * G * nk, 0.f);
         for (int64_t j = kb; j < k1; ++j) {
@@ -212,6 +292,35 @@ torch::Tensor paged_attention_short(torch::Tensor q, torch::Tensor k_cache, torc
     }
   });
   return out;
+}
+
+torch::Tensor paged_attention_short(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                    torch::Tensor block_tables, torch::Tensor seq_lens,
+                                    torch::Tensor query_start_loc, torch::Tensor positions, double scale,
+                                    int64_t window, double softcap, c10::optional<torch::Tensor> alibi_slopes) {
+  const FloatRows rows{k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), k_cache.size(2)};
+  return attend_rows(q, rows, k_cache.size(1), k_cache.size(2), k_cache.size(0), block_tables, seq_lens,
+                     query_start_loc, positions, scale, window, softcap, alibi_slopes);
+}
+
+// The same over a quantized layer cache (k_cache, v_cache, k_scale, v_scale; quant.py), scheme "fp8"
+// or "int4"; the caller has validated the layout (quant.fp8_layout / int4_layout).
+torch::Tensor paged_attention_quant_short(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                          torch::Tensor k_scale, torch::Tensor v_scale, torch::Tensor block_tables,
+                                          torch::Tensor seq_lens, torch::Tensor query_start_loc,
+                                          torch::Tensor positions, double scale, int64_t window, double softcap,
+                                          c10::optional<torch::Tensor> alibi_slopes, std::string scheme) {
+  const bool int4 = scheme == "int4";
+  TORCH_CHECK(int4 || scheme == "fp8", "paged_attention_quant_short: scheme must be fp8 or int4; got ", scheme);
+  const int64_t D = q.size(2), KVH = k_cache.size(2);
+  QuantRows rows{int4, static_cast<const uint8_t*>(k_cache.data_ptr()), static_cast<const uint8_t*>(v_cache.data_ptr()),
+                 k_scale.data_ptr(), v_scale.data_ptr(), KVH, 0, 0};
+  if (int4) {
+    rows.k_group = D / k_scale.size(3);
+    rows.v_group = D / v_scale.size(3);
+  }
+  return attend_rows(q, rows, k_cache.size(1), KVH, k_cache.size(0), block_tables, seq_lens, query_start_loc,
+                     positions, scale, window, softcap, alibi_slopes);
 }
 
 // Where the attention kernel beats the torch path (measured on SmolLM2's heads, 2 threads). Its cost
@@ -387,6 +496,65 @@ torch::Tensor native_paged_attention(torch::Tensor q, torch::Tensor k_cache, tor
                  alibi_slopes);
 }
 
+// the native twins of specgraph::paged_attention_fp8 / _int4: the kernel where the layout is the
+// one quant.py defines (float32 q) and it pays, else the specgraph op (whose checks name any problem)
+static bool quant_attention_fits(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                                 const torch::Tensor& k_scale, const torch::Tensor& v_scale, bool int4) {
+  if (q.dim() != 3 || q.scalar_type() != torch::kFloat || k_cache.dim() != 4 || !k_cache.sizes().equals(v_cache.sizes()) ||
+      !k_cache.is_contiguous() || !v_cache.is_contiguous() || !k_scale.is_contiguous() || !v_scale.is_contiguous() ||
+      !q.device().is_cpu() || !k_cache.device().is_cpu())
+    return false;
+  const int64_t KVH = k_cache.size(2), D = q.size(2);
+  if (KVH == 0 || q.size(1) % KVH) return false;
+  if (!int4)
+    return k_cache.scalar_type() == torch::kFloat8_e4m3fn && v_cache.scalar_type() == torch::kFloat8_e4m3fn &&
+           k_cache.size(3) == D && k_scale.scalar_type() == torch::kFloat && v_scale.scalar_type() == torch::kFloat &&
+           k_scale.sizes().equals(k_cache.sizes().slice(0, 3)) && v_scale.sizes().equals(k_cache.sizes().slice(0, 3));
+  if (k_cache.scalar_type() != torch::kByte || v_cache.scalar_type() != torch::kByte || 2 * k_cache.size(3) != D)
+    return false;
+  for (const auto* t : {&k_scale, &v_scale}) {
+    if (t->scalar_type() != torch::kHalf || t->dim() != 5 || !t->sizes().slice(0, 3).equals(k_cache.sizes().slice(0, 3)) ||
+        t->size(4) != 2 || t->size(3) == 0 || D % t->size(3) || (D / t->size(3)) % 2)
+      return false;
+  }
+  return true;
+}
+
+template <bool Int4>
+torch::Tensor native_quant_paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                           torch::Tensor k_scale, torch::Tensor v_scale, torch::Tensor block_tables,
+                                           torch::Tensor seq_lens, torch::Tensor query_start_loc, torch::Tensor positions,
+                                           double scale, int64_t window, double softcap,
+                                           c10::optional<torch::Tensor> alibi_slopes) {
+  const bool variant_ok = window >= 0 && softcap >= 0.0 &&
+                          (!alibi_slopes.has_value() ||
+                           (alibi_slopes->dim() == 1 && q.dim() == 3 && alibi_slopes->size(0) == q.size(1) &&
+                            alibi_slopes->is_floating_point() && alibi_slopes->device().is_cpu()));
+  const bool fits = variant_ok && quant_attention_fits(q, k_cache, v_cache, k_scale, v_scale, Int4) &&
+                    block_tables.scalar_type() == torch::kInt && seq_lens.scalar_type() == torch::kInt &&
+                    query_start_loc.scalar_type() == torch::kInt && positions.scalar_type() == torch::kLong;
+  if (fits && attention_pays(seq_lens, query_start_loc)) {
+    c10::optional<torch::Tensor> slopes;
+    if (alibi_slopes.has_value()) slopes = alibi_slopes->to(torch::kFloat).contiguous();
+    return paged_attention_quant_short(q.contiguous(), k_cache, v_cache, k_scale, v_scale, block_tables.contiguous(),
+                                       seq_lens.contiguous(), query_start_loc.contiguous(), positions.contiguous(),
+                                       scale, window, softcap, slopes, Int4 ? "int4" : "fp8");
+  }
+  static auto op = c10::Dispatcher::singleton()
+      .findSchemaOrThrow(Int4 ? "specgraph::paged_attention_int4" : "specgraph::paged_attention_fp8", "")
+      .typed<torch::Tensor(torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor,
+                           torch::Tensor, torch::Tensor, torch::Tensor, double, int64_t, double,
+                           c10::optional<torch::Tensor>)>();
+  return op.call(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, query_start_loc, positions, scale,
+                 window, softcap, alibi_slopes);
+}
+
+// whether the quantized kernel takes a call (for the registry's "cpp" implementation)
+bool quant_attention_applies(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k_scale,
+                             torch::Tensor v_scale, std::string scheme) {
+  return quant_attention_fits(q, k_cache, v_cache, k_scale, v_scale, scheme == "int4");
+}
+
 void native_cache_write(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
                         torch::Tensor slot_mapping) {
   const auto dt = k_cache.scalar_type();
@@ -408,10 +576,19 @@ TORCH_LIBRARY(specgraph_cpu, m) {
         "Tensor query_start_loc, Tensor positions, float scale, int window=0, float softcap=0.0, "
         "Tensor? alibi_slopes=None) -> Tensor");
   m.def("cache_write(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
+#define SPECGRAPH_QUANT_ATTENTION_SCHEMA(scheme)                                                                   \
+  "paged_attention_" scheme "(Tensor q, Tensor k_cache, Tensor v_cache, Tensor k_scale, Tensor v_scale, "          \
+  "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, Tensor positions, float scale, int window=0, "   \
+  "float softcap=0.0, Tensor? alibi_slopes=None) -> Tensor"
+  m.def(SPECGRAPH_QUANT_ATTENTION_SCHEMA("fp8"));
+  m.def(SPECGRAPH_QUANT_ATTENTION_SCHEMA("int4"));
+#undef SPECGRAPH_QUANT_ATTENTION_SCHEMA
 }
 
 TORCH_LIBRARY_IMPL(specgraph_cpu, CPU, m) {
   m.impl("paged_attention", &native_paged_attention);
   m.impl("cache_write", &native_cache_write);
   m.impl("gemv", &gemv);
+  m.impl("paged_attention_fp8", &native_quant_paged_attention<false>);
+  m.impl("paged_attention_int4", &native_quant_paged_attention<true>);
 }

@@ -25,12 +25,15 @@ bias rewrite the scores row by row between the QK pass and the softmax, behind o
 (a template flag), so plain calls run the same loops as before.
 
 It serves decode steps, and short speculative verifies over short contexts (``attention_pays``),
-over float32 caches, with or without a variant; anything else (prefill chunks and long verifies,
-where SDPA's blocked GEMMs win, bf16/fp16 or quantized caches) runs the torch path. It registers as
-the ``"cpp"`` implementation of ``specgraph::paged_attention`` (``registry.py``) with that test
-(which validates the variant with ``check_variant``). The native op ``specgraph_cpu::paged_attention``
-(what compiled graphs call) runs it under the same test, variant included, and hands every other
-call, or an invalid variant, to ``specgraph::paged_attention``. The C++ source is compiled once
+over float32, fp8 and int4 caches (float32 queries), with or without a variant; anything else
+(prefill chunks and long verifies, where SDPA's blocked GEMMs win, bf16/fp16 caches or queries)
+runs the torch path. Over a quantized cache each work item first dequantizes the K and V rows of
+its key range into the thread's buffers (each quantized byte read once; the pool is never
+dequantized), then runs the float loops on them. It registers as the ``"cpp"`` implementation of
+``specgraph::paged_attention`` and ``specgraph::paged_attention_{fp8,int4}`` (``registry.py``)
+with that test (which validates the variant with ``check_variant``). The native ops
+``specgraph_cpu::paged_attention[_fp8|_int4]`` (what compiled graphs call) run it under the same
+test, variant included, and hand every other call, or an invalid one, to the ``specgraph::`` op. The C++ source is compiled once
 per machine by ``torch.utils.cpp_extension.load_inline`` (cached in ``TORCH_EXTENSIONS_DIR``;
 20-60 s on 2 cores the first time), with ``-fopenmp``: ATen's ``at::parallel_for`` is OpenMP code
 inlined from its headers, and without the flag every kernel here ran on one thread (the few-row
@@ -47,17 +50,19 @@ from pathlib import Path
 
 import torch
 
-from .cache_write import check_cache_write_args
-from .paged_attention import check_attention_args, check_variant
+from .cache_write import check_cache_write_args, check_token_args
+from .paged_attention import check_attention_args, check_stream_args, check_variant
+from .quant import fp8_layout, int4_layout
 from .quant_linear import check_quant_linear_args
 from .registry import register
 
-_SOURCES = ("cpu_kernels.cpp", "cpu_quant_linear.cpp")  # beside this file, compiled as one extension
+_SOURCES = ("cpu_kernels.cpp", "cpu_quant_linear.cpp", "cpu_quant_cache.cpp")  # beside this file, compiled as one extension
 CPP_SOURCE = "\n".join((Path(__file__).with_name(name)).read_text() for name in _SOURCES)
 #: native ops (``torch.ops.specgraph_cpu.<name>``): the twins of specgraph ops (the same contract, the
 #: C++ kernel straight from the dispatcher where it applies, else the specgraph op itself), and
 #: ``gemv``, the few-row linear that decode graphs may use instead of a GEMM library
-NATIVE_OPS = ("paged_attention", "cache_write", "gemv", "quant_linear")
+NATIVE_OPS = ("paged_attention", "cache_write", "gemv", "quant_linear", "paged_attention_fp8", "paged_attention_int4",
+              "cache_write_fp8", "cache_write_int4")
 
 _EXTENSION = "specgraph_cpu_kernels"
 _lock = threading.Lock()
@@ -75,7 +80,8 @@ def load():
 
                 _module = load_inline(
                     name=_EXTENSION, cpp_sources=[CPP_SOURCE],
-                    functions=["paged_attention_short", "cache_write_rows", "attention_pays", "quant_linear_cpu",
+                    functions=["paged_attention_short", "paged_attention_quant_short", "quant_attention_applies",
+                               "quant_cache_write_cpu", "quant_cache_write_applies", "cache_write_rows", "attention_pays", "quant_linear_cpu",
                                "quant_linear_applies", "set_bf16_dot_max_rows",
                                "bf16_dot_available"],
                     extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"], extra_ldflags=["-fopenmp"],
@@ -94,6 +100,17 @@ def _register_native_fakes() -> None:
     def _(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, positions, scale, window=0, softcap=0.0,
           alibi_slopes=None):
         return q.new_empty(q.shape)
+
+    for scheme in ("fp8", "int4"):
+        @torch.library.register_fake(f"specgraph_cpu::paged_attention_{scheme}")
+        def _(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, query_start_loc, positions, scale,
+              window=0, softcap=0.0, alibi_slopes=None):
+            return q.new_empty(q.shape)
+
+    for scheme in ("fp8", "int4"):
+        @torch.library.register_fake(f"specgraph_cpu::cache_write_{scheme}")
+        def _(k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping):
+            return None
 
     @torch.library.register_fake("specgraph_cpu::cache_write")
     def _(k, v, k_cache, v_cache, slot_mapping):
@@ -171,6 +188,60 @@ def _cpp_takes(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, pos
 
 
 register("paged_attention", "cpp", paged_attention_short_cpp, ("cpu",), applies=_cpp_takes, priority=10)
+
+
+def _quant_attention(scheme: str):
+    """The C++ kernel over a quantized cache (``quant_paged_attention.py``'s contract for ``scheme``;
+    float32 q): each item's K/V rows dequantized once into the thread's buffers, then the float loops."""
+    def run(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, query_start_loc, positions, scale,
+            window=0, softcap=0.0, alibi_slopes=None):
+        module = load()
+        if module is None:
+            raise RuntimeError(f"the C++ CPU attention kernel is not available: {_error}")
+        return module.paged_attention_quant_short(
+            q.contiguous(), k_cache, v_cache, k_scale, v_scale, block_tables.to(torch.int32).contiguous(),
+            seq_lens.to(torch.int32).contiguous(), query_start_loc.to(torch.int32).contiguous(),
+            positions.to(torch.int64).contiguous(), float(scale), int(window), float(softcap),
+            None if alibi_slopes is None else alibi_slopes.to(torch.float32).contiguous(), scheme)
+
+    def takes(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, query_start_loc, positions, scale,
+              window=0, softcap=0.0, alibi_slopes=None) -> bool:
+        if q.dtype != torch.float32 or q.device.type != "cpu" or load() is None:
+            return False
+        layout = (int4_layout if scheme == "int4" else fp8_layout)(k_cache, v_cache, k_scale, v_scale)
+        check_stream_args(q, layout.kv_heads, layout.head_dim, block_tables, seq_lens, query_start_loc, positions)
+        check_variant(q, window, softcap, alibi_slopes)
+        return (bool(load().quant_attention_applies(q, k_cache, v_cache, k_scale, v_scale, scheme))
+                and bool(load().attention_pays(seq_lens, query_start_loc)))
+
+    return run, takes
+
+
+def _quant_cache_write(scheme: str):
+    """The C++ quantized cache write (``quant_cache_write.py``'s contract for ``scheme``, bit-exact
+    with its reference; float32 rows)."""
+    def run(k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping) -> None:
+        module = load()
+        if module is None:
+            raise RuntimeError(f"the C++ CPU kernels are not available: {_error}")
+        module.quant_cache_write_cpu(k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping.to(torch.int64), scheme)
+
+    def takes(k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping) -> bool:
+        if k.dtype != torch.float32 or k.device.type != "cpu" or load() is None:
+            return False
+        layout = (int4_layout if scheme == "int4" else fp8_layout)(k_cache, v_cache, k_scale, v_scale)
+        check_token_args(k, v, layout.kv_heads, layout.head_dim, slot_mapping)
+        return bool(load().quant_cache_write_applies(k, v, k_cache, v_cache, k_scale, v_scale,
+                                                     slot_mapping.to(torch.int64), scheme))
+
+    return run, takes
+
+
+for _scheme in ("fp8", "int4"):
+    _run, _takes = _quant_attention(_scheme)
+    register(f"paged_attention_{_scheme}", "cpp", _run, ("cpu",), applies=_takes, priority=10)
+    _run, _takes = _quant_cache_write(_scheme)
+    register(f"cache_write_{_scheme}", "cpp", _run, ("cpu",), applies=_takes, priority=10)
 
 
 def cache_write_cpp(k, v, k_cache, v_cache, slot_mapping) -> None:

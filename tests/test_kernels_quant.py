@@ -233,6 +233,33 @@ def test_triton_write_matches_ref_bit_exact(p):
         assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), name
 
 
+@settings(max_examples=40, deadline=None)
+@given(write_problems())
+def test_cpp_write_matches_ref_bit_exact(p):
+    """The C++ write (float32 rows; what compiled CPU graphs call through the native op) stores
+    the reference's bytes: every value class of ``rows`` (outliers, e4m3 limits, zero rows and
+    groups, constant rows), padding slots, garbage in unwritten slots. Other row dtypes go to the
+    reference."""
+    from specgraph.kernels import cpu_kernels
+
+    if cpu_kernels.load() is None:
+        pytest.fail(f"the C++ CPU kernels did not build: {cpu_kernels.build_error()}")
+    scheme, k, v, cache, slots = p
+    run, takes = cpu_kernels._quant_cache_write(scheme)
+    assert takes(k, v, *cache.tensors(), slots) == (k.dtype == torch.float32)
+    expected = [t.clone() for t in cache.tensors()]
+    WRITERS[scheme][0](k, v, *expected, slots)
+    native = [t.clone() for t in cache.tensors()]
+    getattr(torch.ops.specgraph_cpu, f"cache_write_{scheme}")(k, v, *native, slots)
+    if k.dtype == torch.float32:
+        run(k, v, *cache.tensors(), slots)
+    else:
+        WRITERS[scheme][0](k, v, *cache.tensors(), slots)
+    for name, got, nat, want in zip(("k_cache", "v_cache", "k_scale", "v_scale"), cache.tensors(), native, expected):
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), name
+        assert torch.equal(nat.view(torch.uint8), want.view(torch.uint8)), name
+
+
 @settings(max_examples=10, deadline=None)
 @given(write_problems())
 def test_ref_write_stores_the_quantized_rows(p):

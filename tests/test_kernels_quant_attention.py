@@ -219,3 +219,53 @@ def test_bad_arguments_raise_value_error(impl):
         ATTENTION["int4"][impl](torch.randn(2, 4, 64), *int4, *meta)
     with pytest.raises(ValueError, match="positions"):
         ATTENTION["int4"][impl](q, *int4, *meta[:3], meta[3].float(), 1.0)
+
+
+def _cpp():
+    from specgraph.kernels import cpu_kernels
+
+    if cpu_kernels.load() is None:
+        pytest.fail(f"the C++ CPU attention kernel did not build: {cpu_kernels.build_error()}")
+    return cpu_kernels
+
+
+def _float_q(qb: QuantBatch) -> QuantBatch:
+    qb.float_batch = dataclasses.replace(qb.float_batch, q=qb.float_batch.q.float())
+    return qb
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.data(), st.sampled_from(["fp8", "int4"]), st.booleans())
+def test_cpp_kernel_matches_ref(data, scheme, with_variant):
+    """The C++ kernel over quantized caches (any query counts, float32 q; garbage in unwritten slots,
+    shared pages, GQA, page sizes, head dims), with and without the score modifiers, against the
+    torch reference; and the native op compiled graphs call, whichever path it takes."""
+    b = data.draw(batches())
+    variant = data.draw(variants(b.q.shape[1])).args() if with_variant else ()
+    qb = _float_q(quantize_batch(b, scheme))
+    expected = ATTENTION[scheme][0](*qb.args(), *variant)
+    run, _ = _cpp()._quant_attention(scheme)
+    for out in (run(*qb.args(), *variant), getattr(torch.ops.specgraph_cpu, f"paged_attention_{scheme}")(
+            *qb.args(), *variant)):
+        assert out.dtype == torch.float32 and out.shape == b.q.shape
+        torch.testing.assert_close(out, expected, atol=ATOL[torch.float32], rtol=RTOL[torch.float32])
+
+
+@pytest.mark.parametrize("scheme", ["fp8", "int4"])
+def test_cpu_dispatch_runs_the_cpp_kernel_for_decodes_over_quantized_caches(scheme):
+    from specgraph.kernels.registry import select
+
+    _cpp()
+    decodes = _float_q(quantize_batch(make_batch(1, 8, kv_heads=2, group=3, head_dim=32, dtype=torch.float32,
+                                                 seqs=[(37, 1, 0), (20, 2, 0)]), scheme))
+    assert select(f"paged_attention_{scheme}", *decodes.args()).name == "cpp"
+    prefill = _float_q(quantize_batch(make_batch(2, 8, kv_heads=2, group=3, head_dim=32, dtype=torch.float32,
+                                                 seqs=[(37, 30, 0), (20, 1, 0)]), scheme))
+    assert select(f"paged_attention_{scheme}", *prefill.args()).name == "reference"
+    half = quantize_batch(make_batch(3, 8, kv_heads=2, group=3, head_dim=32, dtype=torch.bfloat16,
+                                     seqs=[(37, 1, 0)]), scheme)
+    assert select(f"paged_attention_{scheme}", *half.args()).name == "reference"  # bf16 q: the torch path
+    with pytest.raises(ValueError, match="cache dtype"):  # a malformed cache: the layout check names it
+        other = "int4" if scheme == "fp8" else "fp8"
+        select(f"paged_attention_{scheme}", decodes.float_batch.q,
+               *get_scheme(other).allocate(3, 8, 2, 32).tensors(), *decodes.args()[5:])

@@ -58,7 +58,13 @@ def make_step(scheme: str):
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
-def test_dispatch_cpu_uses_ref_unless_forced(scheme, monkeypatch):
+def test_dispatch_cpu_uses_the_cpp_kernels_unless_triton_is_forced(scheme, monkeypatch):
+    """On CPU (float32, a decode-sized step) the C++ write and attention take the calls; inside
+    ``use_triton_kernels()`` the Triton kernels (in the interpreter)."""
+    from specgraph.kernels import cpu_kernels
+
+    if cpu_kernels.load() is None:
+        pytest.fail(f"the C++ CPU kernels did not build: {cpu_kernels.build_error()}")
     x = make_inputs(scheme)
     calls = []
     for op in (f"cache_write_{scheme}", f"paged_attention_{scheme}"):
@@ -69,7 +75,7 @@ def test_dispatch_cpu_uses_ref_unless_forced(scheme, monkeypatch):
     step(**x)
     with use_triton_kernels():
         step(**x)
-    assert calls == ["cache:reference", "paged:reference", "cache:triton", "paged:triton"]
+    assert calls == ["cache:cpp", "paged:cpp", "cache:triton", "paged:triton"]
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
