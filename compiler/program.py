@@ -275,6 +275,8 @@ class DecoderProgram:
 
         with torch.no_grad():
             steps.warm_up(run_padding_step, table_width, progress)
+            if self.device.type == "cpu" and self.lowering == "inductor":  # (the interpreter's timings mean nothing)
+                self.step_plan += "; " + steps.measure_padding(run_padding_step)
         return steps
 
     @property

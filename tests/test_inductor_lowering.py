@@ -157,10 +157,13 @@ def test_static_buckets_and_the_dynamic_graph_equal_the_eager_program(linears):
     cache_c, cache_e = compiled.new_kv_cache(12), eager.new_kv_cache(12)
     compiled.compile_steps(cache_c, table_width=6, buckets=(1, 4), bucket_linears=linears)
     assert compiled.compiles == 3
+    compiled._steps.pad_tokens = {9: 11}  # as if measured: the 9-token steps run padded to 11 tokens
     g = torch.Generator().manual_seed(0)
     steps = [[([1, 2], 0, 9)], [([1, 2], 9, 1)], [([1, 2], 10, 1), ([3], 0, 2)], [([1, 2, 4], 11, 6), ([3], 2, 3)]]
     for seqs in steps:
         meta = _step(seqs, 8, [list(range(n)) for _, _, n in seqs])
+        if meta.shape.num_tokens == 9:
+            assert compiled._steps.shape_for(meta.shape)[1].num_tokens == 11
         ids = torch.randint(0, 101, (meta.positions.numel(),), generator=g)
         torch.testing.assert_close(compiled(ids, meta, cache_c), eager(ids, meta, cache_e), rtol=1e-4, atol=1e-4)
     assert compiled.compiles == 3
@@ -194,6 +197,31 @@ def test_step_graphs_follow_the_measured_linears(times, buckets, monkeypatch):
     monkeypatch.setattr(inductor, "_time_linears", lambda weights: times)
     plan = inductor.choose_buckets(torch.fx.symbolic_trace(Linear()), torch.device("cpu"))
     assert plan.buckets == buckets, plan.reason
+
+
+def test_dynamic_steps_pad_to_the_cheapest_measured_size():
+    """Each size the dynamic graph serves pads to the cheapest size at or above it that is at least
+    5% cheaper (a 2-token GEMM slower than a 4-token one, as oneDNN was on one CPU); sizes a bucket
+    serves are not timed."""
+    import time
+
+    from specgraph.compiler.inductor import StepGraphs
+
+    cost_ms = {2: 8.0, 3: 7.0, 4: 5.0, 5: 9.0, 6: 8.8}  # 6 is within 5% of 5: no reason to pad
+    timed = []
+
+    def run_padding_step(shape):
+        timed.append(shape.num_tokens)
+        time.sleep(cost_ms[shape.num_tokens] / 1e3)
+
+    steps = StepGraphs.__new__(StepGraphs)  # only the shape rules, no graph
+    steps.buckets, steps._table_width, steps.pad_tokens = (1,), 4, {}
+    line = steps.measure_padding(run_padding_step, upto=6)
+    assert steps.pad_tokens == {2: 4, 3: 4}, line
+    assert set(timed) == {2, 3, 4, 5, 6}
+    assert steps.shape_for(StepShape(2, 2, 2, 3)) == ("dynamic", StepShape(4, 3, 2, 3))  # + a padding sequence
+    assert steps.shape_for(StepShape(1, 1, 1, 3)) == (1, StepShape(1, 1, 1, 4))  # the bucket, as before
+    assert steps.shape_for(StepShape(5, 2, 2, 3)) == ("dynamic", StepShape(5, 2, 2, 3))
 
 
 def test_triton_interpret_lowering_runs_a_decoder_end_to_end(tmp_path):
