@@ -265,6 +265,11 @@ class SpeculationController:
         if tokens:
             self.record(request_id).shadow = (length, list(tokens))
 
+    def has_shadow(self, request_id: int) -> bool:
+        """A shadow draft of the sequence waits for its tokens (so :meth:`score_shadow` needs them)."""
+        rec = self.records.get(request_id)
+        return rec is not None and rec.shadow is not None
+
     def score_shadow(self, request_id: int, token_ids: Sequence[int]) -> None:
         """Score a pending shadow draft against the sequence's tokens so far, once decided."""
         rec = self.records.get(request_id)

@@ -14,12 +14,13 @@ import torch
 
 from ..compiler.options import BackendOptions
 from ..compiler.program import AttentionMetadata, DecoderProgram, compile_decoder
-from .controller import SpeculationController, cost_sizes, measure_forward_cost
+from .controller import SpeculationController
+from .drafting import Speculation, is_decode, measure_target_cost
 from .kv_manager import KVCacheManager
-from .proposers.base import Draft, DraftRequest
+from .proposers.base import Draft
 from .rejection import verify_greedy, verify_sampling
 from .sampling import SamplingParams, probabilities, sample, token_logprobs
-from .scheduler import Request, ScheduledChunk, Scheduler
+from .scheduler import Request, Scheduler
 
 
 @dataclass
@@ -60,11 +61,6 @@ def _calibration_ids(calibration, weight_dtype: str, tokenizer) -> tuple[int, ..
             return builtin_calibration_ids(tokenizer)
         return tuple(tokenizer(calibration, add_special_tokens=False)["input_ids"])
     return tuple(calibration)
-
-
-def _is_decode(chunk: ScheduledChunk) -> bool:
-    """The sequence feeds one token and wants the next (drafts may be verified with it)."""
-    return chunk.num_tokens == 1 and chunk.wants_logits
 
 
 class Engine:
@@ -138,23 +134,23 @@ class Engine:
         self._stats: dict[str, Any] = {}
         if num_draft_tokens < 1:
             raise ValueError(f"num_draft_tokens must be >= 1; got {num_draft_tokens}")
-        self.num_draft_tokens = num_draft_tokens
-        self.proposer = None
+        proposer = None
         if draft is not None:
             from .proposers import make_proposer
 
             draft_calibration = None  # the target's
             if draft_weight_dtype is not None:
                 draft_calibration = _calibration_ids(weight_calibration, draft_weight_dtype, tokenizer)
-            self.proposer = make_proposer(draft, self, weight_dtype=draft_weight_dtype, calibration=draft_calibration)
+            proposer = make_proposer(draft, self, weight_dtype=draft_weight_dtype, calibration=draft_calibration)
         elif draft_weight_dtype is not None:
             raise ValueError(f"draft_weight_dtype={draft_weight_dtype!r} is given without a draft")
-        if adaptive and self.proposer is None:
+        if adaptive and proposer is None:
             raise ValueError("adaptive=True chooses draft lengths: it needs a draft (e.g. draft='ngram')")
-        self.adaptive = self.proposer is not None if adaptive is None else adaptive
-        self.controller: SpeculationController | None = None
+        self.speculation = None if proposer is None else Speculation(
+            proposer, num_draft_tokens, adaptive is not False, self.kv, self._copy_blocks, self._measure_target_cost)
+        self._num_draft_tokens = num_draft_tokens  # (kept when there is no draft, for the stats)
         if self.adaptive and not compile_in_background:
-            self.controller = self._new_controller()  # an empty pool always has room
+            self.speculation.ready_controller()  # an empty pool always has room
         # every cache tensor indexed by block id: copy-on-write must copy all of them
         self._all_caches = list(self.kv_cache)
         if getattr(self.proposer, "shares_target_cache", True) is False:
@@ -369,102 +365,65 @@ class Engine:
             out.append(ids)
         return out
 
-    def _release_draft_state(self, request: Request) -> None:
-        if self.proposer is not None:
-            self.proposer.release(request.request_id)
+    # ------------------------------------------------------------ speculation
+    @property
+    def proposer(self):
+        """The draft proposer (None without a draft)."""
+        return self.speculation.proposer if self.speculation is not None else None
 
-    def _forget(self, request: Request) -> None:
-        """The request is finished or aborted: drop the proposer's and the controller's state of it."""
-        self._release_draft_state(request)
-        if self.controller is not None:
-            self.controller.release(request.request_id)
+    @property
+    def controller(self) -> SpeculationController | None:
+        """The adaptive controller (None without one, or until the target's cost is measured)."""
+        return self.speculation.controller if self.speculation is not None else None
 
-    def _new_controller(self) -> SpeculationController | None:
-        """Measure the target's forward cost by stream size on a scratch sequence (no cache state
-        of any request is touched: its blocks are free ones, freed again uncommitted). None when
-        the pool has no room for it now."""
+    @property
+    def adaptive(self) -> bool:
+        return self.speculation is not None and self.speculation.adaptive
+
+    @adaptive.setter
+    def adaptive(self, value: bool) -> None:
+        if value and self.speculation is None:
+            raise ValueError("adaptive=True chooses draft lengths: it needs a draft (e.g. draft='ngram')")
+        if self.speculation is not None:
+            self.speculation.adaptive = bool(value)
+
+    @property
+    def num_draft_tokens(self) -> int:
+        """k, the drafts verified per target forward (with ``adaptive``, the most)."""
+        return self.speculation.num_draft_tokens if self.speculation is not None else self._num_draft_tokens
+
+    @num_draft_tokens.setter
+    def num_draft_tokens(self, k: int) -> None:
+        if k < 1:
+            raise ValueError(f"num_draft_tokens must be >= 1; got {k}")
+        self._num_draft_tokens = k
+        if self.speculation is not None:
+            self.speculation.num_draft_tokens = k
+
+    def _measure_target_cost(self):
+        """The target's cost by stream size for the controller, once the step graphs it must
+        measure are in use (None before that, or while the pool has no room)."""
+        if self.program.compiling:
+            return None
         capacity = (self.num_blocks - 1) * self.page_size
         max_stream = min(self.scheduler.max_num_seqs * (self.num_draft_tokens + 1),
                          self.scheduler.max_tokens_per_step, capacity)
-        sid = self._new_id()
-        self.kv.add_sequence(sid, [])
-        try:
-            if self.kv.allocate(sid, max_stream) is None:
-                return None
-            table = self.kv.block_table(sid)
+        return measure_target_cost(self.program, self.kv, self.kv_cache, self.page_size, max_stream, self._new_id())
 
-            def forward(n: int) -> None:
-                meta = AttentionMetadata.build([(table, 0, n)], self.page_size, [list(range(n))])
-                self.program(torch.zeros(n, dtype=torch.long), meta, self.kv_cache)
+    def _release_draft_state(self, request: Request) -> None:
+        if self.speculation is not None:
+            self.speculation.release(request)
 
-            with torch.no_grad():
-                cost = measure_forward_cost(forward, cost_sizes(max_stream, self.program.buckets))
-        finally:
-            self.kv.free(sid)
-        return SpeculationController(self.num_draft_tokens, cost)
-
-    def _ready_controller(self) -> SpeculationController | None:
-        """The controller, built once the step graphs it must measure are in use (background compile)."""
-        if self.controller is None and not self.program.compiling:
-            self.controller = self._new_controller()
-        return self.controller
+    def _forget(self, request: Request) -> None:
+        """The request is finished or aborted: drop the proposer's and the controller's state of it."""
+        if self.speculation is not None:
+            self.speculation.forget(request)
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         for src, dst in copies:
             for caches in self._all_caches:
                 for t in caches:  # K, V (and their scales): every tensor indexed by block
                     t[dst].copy_(t[src])
-
-    def _draft(self, chunks: list[ScheduledChunk]) -> dict[int, Draft]:
-        """Draft tokens for the decoding sequences; their extra slots are allocated here.
-
-        Lengths: the request's cap (``num_draft_tokens``, the request's own, the tokens it may still
-        emit), or the controller's choice within it, made before drafting and again after (a shorter
-        draft than asked may no longer pay)."""
-        decodes = [c.request for c in chunks if _is_decode(c)]
-        caps = [min(self.num_draft_tokens if r.num_draft_tokens is None else min(r.num_draft_tokens,
-                                                                                 self.num_draft_tokens),
-                    r.max_new_tokens - len(r.output_ids) - 1) for r in decodes]
-        controller = self._ready_controller() if self.adaptive else None
-        other_tokens = sum(c.num_tokens for c in chunks) - len(decodes)
-        ids = [r.request_id for r in decodes]
-        # a proposer that writes no cache may draft for sequences it will not verify (shadow drafts)
-        shadowing = controller is not None and getattr(self.proposer, "writes_cache", True) is False
-        lengths = controller.plan(ids, caps, other_tokens, probe=not shadowing) if controller is not None else caps
-        wanted, shadows = [], []
-        for r, k, cap in zip(decodes, lengths, caps):
-            if k <= 0:
-                if shadowing and cap > 0 and controller.wants_shadow(r.request_id):
-                    shadows.append(DraftRequest(r.request_id, r.all_ids, len(r.prompt_ids), cap, r.params, r.generator))
-                continue
-            copies = self.kv.allocate(r.request_id, k)
-            if copies is None:
-                continue  # pool short: plain decode this step
-            self._copy_blocks(copies)
-            wanted.append(DraftRequest(r.request_id, r.all_ids, len(r.prompt_ids), k, r.params, r.generator))
-        if not wanted and not shadows:
-            return {}
-        t0 = time.perf_counter()
-        proposals = self.proposer.propose(wanted + shadows)
-        drafts = dict(zip((w.request_id for w in wanted), proposals))
-        if controller is not None:
-            controller.observe_draft(time.perf_counter() - t0, max(w.k for w in wanted + shadows))
-            for w, d in zip(shadows, proposals[len(wanted):]):
-                controller.shadow(w.request_id, len(w.token_ids), d.token_ids[:w.k])
-            asked = {w.request_id: w.k for w in wanted}
-            got = [len(drafts[i].token_ids[:asked[i]]) if i in asked else 0 for i in ids]
-            floors = [min(n, controller.probe_length) if i in controller.probes else 0 for i, n in zip(ids, got)]
-            keep = dict(zip(ids, controller.plan(ids, got, other_tokens, drafting_cost=False, floors=floors)))
-        else:
-            keep = {w.request_id: w.k for w in wanted}
-        for w in wanted:
-            d, k = drafts[w.request_id], keep[w.request_id]
-            d.token_ids = d.token_ids[:k]
-            if d.probs is not None:
-                d.probs = d.probs[:k]
-            if len(d.token_ids) < w.k:  # give back the slots of drafts not verified
-                self.kv.truncate(w.request_id, self.kv.num_tokens(w.request_id) - (w.k - len(d.token_ids)))
-        return {i: d for i, d in drafts.items() if d.token_ids}
 
     @torch.no_grad()
     def _step(self) -> list[Request]:
@@ -473,9 +432,9 @@ class Engine:
         if not chunks:
             raise RuntimeError("scheduler produced an empty step with work pending")
         finished: list[Request] = []
-        decoding = [_is_decode(c) for c in chunks]  # before this step's tokens change wants_logits
+        decoding = [is_decode(c) for c in chunks]  # before this step's tokens change wants_logits
         self._copy_blocks(copies)
-        drafts = self._draft(chunks) if self.proposer is not None else {}
+        drafts = self.speculation.draft(chunks) if self.speculation is not None else {}
         ids: list[int] = []
         seqs, want = [], []
         for c in chunks:
@@ -525,10 +484,10 @@ class Engine:
                 self.kv.commit(rid, r.all_ids[:r.num_computed])
             if r.finished:
                 self._forget(r)
-            elif self.proposer is not None:
-                self.proposer.on_verified(rid, r.num_computed)
-        if self.adaptive and self.controller is not None and all(decoding):
-            self.controller.observe_forward(len(ids), t_back - t_forward)
+            elif self.speculation is not None:
+                self.speculation.on_verified(rid, r.num_computed)
+        if self.speculation is not None and all(decoding):
+            self.speculation.observe_forward(len(ids), t_back - t_forward)
         self._stats["forward_s"] += t_back - t_forward
         self._stats["host_s"] += (t_forward - t_start) + (time.perf_counter() - t_back)
         return finished
@@ -551,9 +510,8 @@ class Engine:
         r.draft_lengths[drafted] = r.draft_lengths.get(drafted, 0) + 1
         self._stats["decode_forwards"] += 1
         self._stats["decode_emitted"] += emitted
-        if self.adaptive and self.controller is not None:
-            self.controller.observe_decode(r.request_id, drafted, accepted)
-            self.controller.score_shadow(r.request_id, r.all_ids)
+        if self.speculation is not None:
+            self.speculation.observe_decode(r, drafted, accepted)
 
     def _emit(self, r: Request, token: int, logits: torch.Tensor) -> None:
         r.output_ids.append(token)

@@ -1,0 +1,149 @@
+"""Speculation's side of a step: how many tokens each decoding sequence drafts, and the drafts.
+
+The engine builds one :class:`Speculation` when it has a draft, hands it the step's scheduled
+chunks before the target forward (:meth:`Speculation.draft`) and tells it what was verified
+after (:meth:`observe_decode`, :meth:`observe_forward`, :meth:`on_verified`). It owns the
+proposer and, with ``adaptive``, the :class:`~.controller.SpeculationController`:
+
+* a sequence's cap is ``num_draft_tokens`` (or its request's own, lower one) and never more tokens
+  than it may still emit;
+* the controller picks each length within the cap before drafting, and again after, with the
+  drafting time spent (a draft shorter than asked may no longer pay);
+* a proposer that writes no cache (``writes_cache = False``, e.g. n-gram lookup) also drafts, unverified,
+  for sequences the controller turned off (shadow drafts, scored as the target's tokens arrive);
+* draft slots are allocated in the KV manager before the forward (copy-on-write copies through
+  ``copy_blocks``), and the slots of drafts cut short are given back at once.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+
+from ..compiler.program import AttentionMetadata, DecoderProgram
+from .controller import SpeculationController, cost_sizes, measure_forward_cost
+from .kv_manager import KVCacheManager
+from .proposers.base import Draft, DraftRequest
+from .scheduler import Request, ScheduledChunk
+
+
+def is_decode(chunk: ScheduledChunk) -> bool:
+    """The sequence feeds one token and wants the next (drafts may be verified with it)."""
+    return chunk.num_tokens == 1 and chunk.wants_logits
+
+
+def measure_target_cost(program: DecoderProgram, kv: KVCacheManager, kv_cache, page_size: int, max_stream: int,
+                        sequence_id: int):
+    """The target's forward cost by stream size (:func:`~.controller.measure_forward_cost`), timed
+    on scratch sequence ``sequence_id``: its blocks are free ones, freed again uncommitted, so no
+    request's cache state is touched. None when the pool has no room for it now."""
+    kv.add_sequence(sequence_id, [])
+    try:
+        if kv.allocate(sequence_id, max_stream) is None:
+            return None
+        table = kv.block_table(sequence_id)
+
+        def forward(n: int) -> None:
+            meta = AttentionMetadata.build([(table, 0, n)], page_size, [list(range(n))])
+            program(torch.zeros(n, dtype=torch.long), meta, kv_cache)
+
+        with torch.no_grad():
+            return measure_forward_cost(forward, cost_sizes(max_stream, program.buckets))
+    finally:
+        kv.free(sequence_id)
+
+
+class Speculation:
+    """Draft lengths and drafts for each step (see module docstring).
+
+    ``measure_cost()`` returns the target's :class:`~.controller.ForwardCost` (or None while it
+    cannot be measured: no room in the pool, or the step graphs still compiling); the controller is
+    built on the first step where it can be."""
+
+    def __init__(self, proposer, num_draft_tokens: int, adaptive: bool, kv: KVCacheManager,
+                 copy_blocks: Callable[[list[tuple[int, int]]], None], measure_cost: Callable[[], object]):
+        self.proposer = proposer
+        self.num_draft_tokens = num_draft_tokens
+        self.adaptive = adaptive
+        self.controller: SpeculationController | None = None
+        self._kv, self._copy_blocks, self._measure_cost = kv, copy_blocks, measure_cost
+
+    def ready_controller(self) -> SpeculationController | None:
+        """The controller, built once the target's cost can be measured."""
+        if self.controller is None:
+            cost = self._measure_cost()
+            if cost is not None:
+                self.controller = SpeculationController(self.num_draft_tokens, cost)
+        return self.controller
+
+    def draft(self, chunks: list[ScheduledChunk]) -> dict[int, Draft]:
+        """Drafts for the decoding sequences of ``chunks`` by request id; their extra slots are allocated."""
+        decodes = [c.request for c in chunks if is_decode(c)]
+        caps = [min(self.num_draft_tokens if r.num_draft_tokens is None else min(r.num_draft_tokens,
+                                                                                 self.num_draft_tokens),
+                    r.max_new_tokens - len(r.output_ids) - 1) for r in decodes]
+        controller = self.ready_controller() if self.adaptive else None
+        other_tokens = sum(c.num_tokens for c in chunks) - len(decodes)
+        ids = [r.request_id for r in decodes]
+        shadowing = controller is not None and getattr(self.proposer, "writes_cache", True) is False
+        lengths = controller.plan(ids, caps, other_tokens, probe=not shadowing) if controller is not None else caps
+        wanted, shadows = [], []
+        for r, k, cap in zip(decodes, lengths, caps):
+            if k <= 0:
+                if shadowing and cap > 0 and controller.wants_shadow(r.request_id):
+                    shadows.append(DraftRequest(r.request_id, r.all_ids, len(r.prompt_ids), cap, r.params, r.generator))
+                continue
+            copies = self._kv.allocate(r.request_id, k)
+            if copies is None:
+                continue  # pool short: plain decode this step
+            self._copy_blocks(copies)
+            wanted.append(DraftRequest(r.request_id, r.all_ids, len(r.prompt_ids), k, r.params, r.generator))
+        if not wanted and not shadows:
+            return {}
+        t0 = time.perf_counter()
+        proposals = self.proposer.propose(wanted + shadows)
+        drafts = dict(zip((w.request_id for w in wanted), proposals))
+        if controller is not None:
+            controller.observe_draft(time.perf_counter() - t0, max(w.k for w in wanted + shadows))
+            for w, d in zip(shadows, proposals[len(wanted):]):
+                controller.shadow(w.request_id, len(w.token_ids), d.token_ids[:w.k])
+            asked = {w.request_id: w.k for w in wanted}
+            got = [len(drafts[i].token_ids[:asked[i]]) if i in asked else 0 for i in ids]
+            floors = [min(n, controller.probe_length) if i in controller.probes else 0 for i, n in zip(ids, got)]
+            keep = dict(zip(ids, controller.plan(ids, got, other_tokens, drafting_cost=False, floors=floors)))
+        else:
+            keep = {w.request_id: w.k for w in wanted}
+        for w in wanted:
+            d, k = drafts[w.request_id], keep[w.request_id]
+            d.token_ids = d.token_ids[:k]
+            if d.probs is not None:
+                d.probs = d.probs[:k]
+            if len(d.token_ids) < w.k:  # give back the slots of drafts not verified
+                self._kv.truncate(w.request_id, self._kv.num_tokens(w.request_id) - (w.k - len(d.token_ids)))
+        return {i: d for i, d in drafts.items() if d.token_ids}
+
+    def observe_decode(self, r: Request, drafted: int, accepted: int) -> None:
+        """A decode forward of ``r`` verified ``drafted`` drafts and accepted ``accepted``."""
+        if self.adaptive and self.controller is not None:
+            self.controller.observe_decode(r.request_id, drafted, accepted)
+            if self.controller.has_shadow(r.request_id):
+                self.controller.score_shadow(r.request_id, r.all_ids)
+
+    def observe_forward(self, num_tokens: int, seconds: float) -> None:
+        """A forward made only of decodes took ``seconds`` over ``num_tokens`` tokens."""
+        if self.adaptive and self.controller is not None:
+            self.controller.observe_forward(num_tokens, seconds)
+
+    def on_verified(self, request_id: int, num_computed: int) -> None:
+        self.proposer.on_verified(request_id, num_computed)
+
+    def release(self, request: Request) -> None:
+        """The request is preempted: its draft state goes (its acceptance estimate stays)."""
+        self.proposer.release(request.request_id)
+
+    def forget(self, request: Request) -> None:
+        """The request is finished or aborted: the proposer's and the controller's state of it go."""
+        self.proposer.release(request.request_id)
+        if self.controller is not None:
+            self.controller.release(request.request_id)
