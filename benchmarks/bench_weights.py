@@ -98,7 +98,8 @@ def main(argv=None) -> int:
         log(f"compiling weight_dtype={w}, kv_dtype={kv}")
         e = engines[(w, kv)] = specgraph.Engine(model, tokenizer=tok, weight_dtype=w, kv_dtype=kv,
                                                 max_num_seqs=max(8, args.batch))
-        rows[(w, kv)] = dict(compile_s=e.compile_seconds, weight_mb=weight_bytes_per_step(e) / 1e6)
+        rows[(w, kv)] = dict(compile_s=e.compile_seconds, weight_mb=weight_bytes_per_step(e) / 1e6,
+                             plan=e.program.step_plan)
 
     llamas = {}
     if not args.no_llama_cpp:
@@ -173,6 +174,7 @@ def main(argv=None) -> int:
         table.append([f"llama.cpp {f.upper()}", "-", "-", "-", "-", "-", fmt(tps, ".1f"), "-",
                       fmt(tps / f32_b1, ".2f") + "x"])
     lines.append(format_table(headers, table, right=set(range(1, len(headers)))))
+    lines += [f"step plan, {w} weights: {row['plan']}" for (w, kv), row in rows.items() if kv == "auto"]
     if llamas and "q8_0" in llamas and ("int8", "auto") in rows:
         q8 = median(b1["llama.cpp Q8_0"])
         lines.append(f"int8 batch 1 vs llama.cpp Q8_0: {median(b1['specgraph int8']) / q8:.2f}x")
