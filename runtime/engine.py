@@ -136,12 +136,14 @@ class Engine:
             raise ValueError(f"num_draft_tokens must be >= 1; got {num_draft_tokens}")
         proposer = None
         if draft is not None:
-            from .proposers import make_proposer
+            from .proposers import DraftContext, make_proposer
 
             draft_calibration = None  # the target's
             if draft_weight_dtype is not None:
                 draft_calibration = _calibration_ids(weight_calibration, draft_weight_dtype, tokenizer)
-            proposer = make_proposer(draft, self, weight_dtype=draft_weight_dtype, calibration=draft_calibration)
+            proposer = make_proposer(draft, DraftContext(
+                model, self.program, self.kv, self.kv_cache, page_size, self.num_blocks, self.table_width, device,
+                draft_weight_dtype, draft_calibration))
         elif draft_weight_dtype is not None:
             raise ValueError(f"draft_weight_dtype={draft_weight_dtype!r} is given without a draft")
         if adaptive and proposer is None:

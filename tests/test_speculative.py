@@ -48,6 +48,48 @@ def test_unknown_draft_spec_lists_valid_ones():
         specgraph.Engine(tiny_llama(), num_blocks=16, page_size=8, draft="medusa-ish")
 
 
+def test_a_new_draft_kind_is_one_registration():
+    """A kind registered with ``register_proposer`` is built from its spec with the narrow context
+    (the target's program among it) and runs like the built-in ones; it shows in the valid specs."""
+    from specgraph.runtime.proposers import DraftContext, Draft, make_proposer, register_proposer, specs
+
+    seen = {}
+
+    class Repeat:  # drafts the last committed token k times
+        name, writes_cache = "repeat", False
+
+        def propose(self, requests):
+            return [Draft([r.token_ids[-1]] * r.k) for r in requests]
+
+        def on_verified(self, request_id, num_committed):
+            pass
+
+        def release(self, request_id):
+            pass
+
+    def factory(arg: str, ctx: DraftContext):
+        seen["arg"], seen["vocab"] = arg, ctx.program.vocab_size
+        return Repeat()
+
+    register_proposer("repeat", factory, "repeat:N")
+    try:
+        model = tiny_llama(vocab=128)
+        spec = specgraph.Engine(model, num_blocks=32, page_size=8, draft="repeat:2", adaptive=False)
+        assert seen == {"arg": "2", "vocab": 128} and spec.proposer.name == "repeat" and "repeat:N" in specs()
+        prompts = _prompts("llama", (5, 9), seed=2)
+        plain = specgraph.Engine(model, num_blocks=32, page_size=8)
+        assert ([r.token_ids for r in spec.generate(prompts, max_new_tokens=8)]
+                == [r.token_ids for r in plain.generate(prompts, max_new_tokens=8)])
+        assert spec.stats["draft_tokens"] > 0
+        with pytest.raises(ValueError, match="draft_weight_dtype='int8' needs a draft model"):
+            make_proposer(Repeat(), DraftContext(model, spec.program, spec.kv, spec.kv_cache, 8, 32, 31,
+                                                 torch.device("cpu"), weight_dtype="int8"))
+    finally:
+        from specgraph.runtime import proposers
+
+        proposers._KINDS.pop("repeat", None)
+
+
 # --------------------------------------------------------------------------- distribution test
 V = 8
 

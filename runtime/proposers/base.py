@@ -28,11 +28,16 @@ verified / committed count
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
 from ..sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from ...compiler.options import BackendOptions
+    from ...compiler.program import DecoderProgram
+    from ..kv_manager import KVCacheManager
 
 
 @dataclass
@@ -86,3 +91,39 @@ class Proposer(Protocol):
     def release(self, request_id: int) -> None:
         """The sequence finished or was aborted: drop any per-request state."""
         ...
+
+
+@dataclass(frozen=True)
+class DraftContext:
+    """What a proposer factory may use of the target (the engine hands this over, nothing else).
+
+    ``weight_dtype`` / ``calibration``: a draft model's own weight storage and the ids its int8/fp8
+    weights are calibrated on (None: the target's)."""
+
+    model: torch.nn.Module  # the target model as given (layer_skip takes its first layers)
+    program: "DecoderProgram"  # the target's compiled program (vocabulary, layers, options)
+    kv: "KVCacheManager"  # the block tables drafts are written through
+    kv_cache: list[Any]  # the target's layer caches
+    page_size: int
+    num_blocks: int
+    table_width: int
+    device: torch.device
+    weight_dtype: str | None = None
+    calibration: tuple[int, ...] | None = None
+
+    def options(self, weight_dtype: str | None = None) -> "BackendOptions":
+        """Compile options for a drafter: the target's cache format and lowering, ``weight_dtype``
+        (default: the target's) and the calibration ids."""
+        from ...compiler.options import BackendOptions
+
+        t = self.program.compiled.context.options
+        return BackendOptions(page_size=self.page_size, lowering=self.program.lowering, kv_dtype=t.kv_dtype,
+                              weight_dtype=weight_dtype or t.weight_dtype,
+                              weight_calibration=t.weight_calibration if self.calibration is None else self.calibration)
+
+    def refuse_own_weight_dtype(self, draft: str, why: str) -> None:
+        """A draft without weights of its own cannot take another weight dtype than the target's."""
+        target = self.program.compiled.context.options.weight_dtype
+        if self.weight_dtype is not None and self.weight_dtype != target:
+            raise ValueError(f"draft_weight_dtype={self.weight_dtype!r} needs a draft model: draft={draft!r} takes "
+                             f"the target's weight_dtype={target!r} ({why})")

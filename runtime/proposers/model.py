@@ -23,7 +23,7 @@ import torch
 from ...compiler.program import AttentionMetadata, DecoderProgram
 from ..kv_manager import KVCacheManager
 from ..sampling import probabilities
-from .base import Draft, DraftRequest
+from .base import Draft, DraftContext, DraftRequest
 
 
 class ModelProposer:
@@ -114,3 +114,41 @@ def first_layers(model: torch.nn.Module, num_layers: int, keep: int) -> torch.nn
         parent = child
     parent._modules[parts[-1]] = torch.nn.ModuleList(list(layers)[:keep])
     return root
+
+
+def draft_model_proposer(draft: torch.nn.Module, ctx: DraftContext) -> ModelProposer:
+    """A separate draft model, compiled in the target's cache format (and its own weight dtype),
+    with its own cache tensors over the target's block tables."""
+    from ...compiler.program import compile_decoder
+
+    program = compile_decoder(draft, ctx.options(ctx.weight_dtype))
+    if program.vocab_size != ctx.program.vocab_size:
+        raise ValueError(f"draft model vocabulary {program.vocab_size} != target vocabulary "
+                         f"{ctx.program.vocab_size}; speculative decoding needs the same tokenizer")
+    cache = program.new_kv_cache(ctx.num_blocks, device=ctx.device)
+    program.compile_steps(cache, ctx.table_width)
+    return ModelProposer("draft_model", program, cache, ctx.kv, ctx.page_size, shares_target_cache=False)
+
+
+def layer_skip_proposer(arg: str, ctx: DraftContext) -> ModelProposer:
+    """``layer_skip:K``: the target's first K layers, on the target's weights and cache tensors."""
+    spec = f"layer_skip:{arg}"
+    ctx.refuse_own_weight_dtype(spec, "it runs on the target's weights")
+    if not arg.isdigit():
+        raise ValueError(f"draft={spec!r}: layer_skip needs a layer count, e.g. 'layer_skip:8'")
+    from ...compiler.program import compile_decoder
+
+    keep = int(arg)
+    program = compile_decoder(first_layers(ctx.model, ctx.program.num_layers, keep), ctx.options())
+    program.compile_steps(ctx.kv_cache[:keep], ctx.table_width)
+    return ModelProposer(spec, program, ctx.kv_cache[:keep], ctx.kv, ctx.page_size, shares_target_cache=True)
+
+
+def _register() -> None:
+    from . import register_draft_model, register_proposer
+
+    register_proposer("layer_skip", layer_skip_proposer, "layer_skip:K")
+    register_draft_model(draft_model_proposer)
+
+
+_register()

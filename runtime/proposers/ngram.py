@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .base import Draft, DraftRequest
+from .base import Draft, DraftContext, DraftRequest
 
 _VALID_SPECS = "'ngram' or 'ngram:N' (N >= 1, the longest n-gram to match)"
 
@@ -107,3 +107,18 @@ class NgramProposer:
 
     def release(self, request_id: int) -> None:
         pass
+
+
+def _ngram(arg: str, ctx: DraftContext) -> NgramProposer:
+    spec = f"ngram:{arg}" if arg else "ngram"
+    ctx.refuse_own_weight_dtype(spec, "it has no weights")
+    return NgramProposer.from_spec(spec)
+
+
+def _register() -> None:
+    from . import register_proposer
+
+    register_proposer("ngram", _ngram, "ngram, ngram:N")
+
+
+_register()
