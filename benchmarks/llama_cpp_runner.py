@@ -2,6 +2,14 @@
 
     pip install llama-cpp-python      # builds llama.cpp from source for this CPU (a few minutes)
 
+On a VM whose CPU advertises AMX but does not let processes use the tile registers, the native
+build's Q8_0/Q4_1 kernels crash (a general protection fault in libggml-cpu, seen on a Xeon with
+amx_int8 under Firecracker); build without AMX, keeping every other SIMD level:
+
+    CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
+      -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON \
+      -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF" pip install llama-cpp-python
+
 The embedded model ships as a Q4_1 GGUF; specgraph dequantizes it to float32. llama.cpp's own
 quantizer (``llama_model_quantize`` with requantizing allowed) turns the same file into an F32
 (or Q8_0) GGUF, so both sides run the same weights. Converted files are cached beside
