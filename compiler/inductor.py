@@ -126,11 +126,12 @@ CUDA_BUCKETS = (1, 8)
 
 @dataclass(frozen=True)
 class StepPlan:
-    """Which graphs to compile: static ``buckets`` (their linears run ``bucket_linears``: Inductor's
-    own choice, or specgraph's C++ ``gemv``) and the dynamic graph; ``reason`` says why."""
+    """Which graphs to compile: static ``buckets`` (the linears of bucket ``b`` run
+    ``bucket_linears[b]``: Inductor's own choice, or specgraph's C++ ``gemv``) and the dynamic
+    graph; ``reason`` says why."""
 
     buckets: tuple[int, ...]
-    bucket_linears: str  # "inductor" or "gemv"
+    bucket_linears: dict[int, str]  # bucket -> "inductor" or "gemv"
     reason: str
 
 
@@ -150,16 +151,17 @@ def choose_buckets(gm: fx.GraphModule, device: torch.device) -> StepPlan:
     (more bytes than any CPU cache: timing one small matrix again and again measures the cache, and
     once picked a library 1.35x slower on the real step) and compiles a static graph for 1-token
     steps only when MKL or the C++ kernel beats oneDNN at 2 rows (the dynamic graph pads a decode
-    to 2 rows; a memory-bound GEMV costs about the same for 1 and 2). When the C++ kernel wins that,
-    each of 4 and 8 rows where it also beats oneDNN (its tiled path) gets a static graph for steps
-    up to that many tokens: batched decodes and verifies. A verify of k drafts costs a
-    ``k + 1``-token step, so these graphs decide what speculation costs (on an AVX-512 EPYC the
-    C++ kernel lost at 8 rows, and a 2-token verify ran the dynamic graph at 1.7x a decode)."""
+    to 2 rows; a memory-bound GEMV costs about the same for 1 and 2). Beside it, each of 4 and 8
+    rows where MKL or the C++ kernel (its tiled path) beats oneDNN gets a static graph for steps up
+    to that many tokens, with the faster of the two: batched decodes and verifies. Each bucket
+    picks its own linears (on an AVX-512 Xeon MKL won 1 row and the C++ kernel 4 and 8, by 16%
+    over oneDNN). A verify of k drafts costs a ``k + 1``-token step, so these graphs decide what
+    speculation costs (on an AVX-512 EPYC a 2-token verify ran the dynamic graph at 1.7x a decode)."""
     if device.type == "cuda":
-        return StepPlan(CUDA_BUCKETS, "inductor", f"CUDA: static graphs for {CUDA_BUCKETS} tokens, the dynamic "
-                                                  "graph above")
+        return StepPlan(CUDA_BUCKETS, dict.fromkeys(CUDA_BUCKETS, "inductor"),
+                        f"CUDA: static graphs for {CUDA_BUCKETS} tokens, the dynamic graph above")
     if not torch.backends.mkldnn.is_available():
-        return StepPlan((), "inductor", "CPU without oneDNN: every step runs the dynamic graph")
+        return StepPlan((), {}, "CPU without oneDNN: every step runs the dynamic graph")
     weights, total = [], 0
     for node in gm.graph.nodes:  # the model's own weights, in order, until they exceed any CPU cache
         if node.op == "call_function" and node.target == torch.ops.aten.linear.default and total < _TIMED_BYTES:
@@ -180,23 +182,35 @@ def choose_buckets(gm: fx.GraphModule, device: torch.device) -> StepPlan:
                 from ..kernels import cpu_kernels
 
                 reason += "; " + cpu_kernels.choose_bf16_products(bf16)
-            return StepPlan((1, 8), "inductor", reason)
-        return StepPlan((), "inductor", "no float32 linears: every step runs the dynamic graph")
+            return StepPlan((1, 8), {1: "inductor", 8: "inductor"}, reason)
+        return StepPlan((), {}, "no float32 linears: every step runs the dynamic graph")
     times = _time_linears(weights)
     line = (f"few-row GEMMs over {total / 2**20:.0f} MiB of the model's weights: "
             + ", ".join(f"{name} {t * 1e3:.2f} ms" for name, t in times.items()))
-    single = {name: t for name, t in times.items() if name.endswith("(1 row)") or name == "oneDNN (2 rows)"}
-    best = min(single, key=single.get)
-    if best == "oneDNN (2 rows)" or times[best] > 0.95 * times["oneDNN (2 rows)"]:
-        return StepPlan((), "inductor", line + " -> decodes run the dynamic graph (oneDNN)")
-    if not best.startswith("specgraph"):
-        return StepPlan((1,), "inductor", line + f" -> a static graph for 1-token steps ({best})")
-    wide = tuple(rows for rows in WIDE_BUCKETS
-                 if times.get(f"specgraph gemv ({rows} rows)", float("inf")) < 0.95 * times[f"oneDNN ({rows} rows)"])
-    if wide:
-        return StepPlan((1,) + wide, "gemv", line + " -> static graphs for steps of 1 and of up to "
-                        + " and ".join(map(str, wide)) + " tokens (specgraph gemv)")
-    return StepPlan((1,), "gemv", line + f" -> a static graph for 1-token steps ({best})")
+    linears = {}
+    for rows in (1,) + WIDE_BUCKETS:  # a wide graph only beside a 1-token one: decodes must not pad to it
+        kind = _static_linears(times, rows)
+        if kind is None or (rows > 1 and 1 not in linears):
+            continue
+        linears[rows] = kind
+    if not linears:
+        return StepPlan((), {}, line + " -> decodes run the dynamic graph (oneDNN)")
+    names = {"gemv": "specgraph gemv", "inductor": "MKL"}
+    return StepPlan(tuple(linears), linears, line + " -> static graphs for steps of up to " + ", ".join(
+        f"{rows} ({names[kind]})" for rows, kind in linears.items()) + " tokens")
+
+
+def _static_linears(times: dict[str, float], rows: int) -> str | None:
+    """The linears a static graph of ``rows`` tokens should run: ``"gemv"`` or ``"inductor"`` (MKL's
+    packed GEMM), whichever was faster, if it beat oneDNN's (the dynamic graph's) at that row count
+    (2 for one token: the dynamic graph pads to 2) by 5%; None if neither did."""
+    unit = "row" if rows == 1 else "rows"
+    candidates = {kind: times[name] for kind, name in (("gemv", f"specgraph gemv ({rows} {unit})"),
+                                                       ("inductor", f"MKL ({rows} {unit})")) if name in times}
+    if not candidates:
+        return None
+    kind = min(candidates, key=candidates.get)
+    return kind if candidates[kind] < 0.95 * times[f"oneDNN ({max(rows, 2)} rows)"] else None
 
 
 def _bf16_weights(gm: fx.GraphModule, quantized: list[fx.Node]) -> list[torch.Tensor]:
@@ -224,9 +238,12 @@ def _time_linears(weights: list[torch.Tensor], repeats: int = 7) -> dict[str, fl
                         for w, p in dnn]
 
     runs = {f"oneDNN ({rows} rows)": onednn(rows) for rows in (2,) + WIDE_BUCKETS}
-    if torch._C.has_mkl:
-        mkl = [(w, torch.ops.mkl._mkl_reorder_linear_weight(w, 1)) for w in weights]
-        runs["MKL (1 row)"] = lambda: [torch.ops.mkl._mkl_linear(x[1][w.shape[1]], p, w, None, 1) for w, p in mkl]
+    if torch._C.has_mkl:  # (MKL's packing is per batch size, as Inductor packs a static graph's weights)
+        for rows in (1,) + WIDE_BUCKETS:
+            mkl = [(w, torch.ops.mkl._mkl_reorder_linear_weight(w, rows)) for w in weights]
+            runs[f"MKL ({rows} row{'s' if rows > 1 else ''})"] = \
+                lambda rows=rows, mkl=mkl: [torch.ops.mkl._mkl_linear(x[rows][w.shape[1]], p, w, None, rows)
+                                            for w, p in mkl]
     gemv = cpu_kernels.native_op("gemv")
     if gemv is not None:
         runs["specgraph gemv (1 row)"] = lambda: [gemv(x[1][w.shape[1]], w, None) for w in weights]
@@ -248,12 +265,13 @@ class StepGraphs:
     """Compiled step graphs of one decoder program (see module docstring)."""
 
     def __init__(self, gm: fx.GraphModule, inputs: list[InputSpec], lowering: str, buckets: tuple[int, ...],
-                 dump_dir: str | None = None, bucket_linears: str = "inductor"):
+                 dump_dir: str | None = None, bucket_linears: str | dict[int, str] = "inductor"):
         if lowering not in ("inductor", "triton-interpret"):
             raise ValueError(f"StepGraphs compiles the inductor lowerings; got {lowering!r}")
         self.lowering = lowering
         self.buckets = tuple(sorted(set(buckets)))
-        self.bucket_linears = bucket_linears
+        self.bucket_linears = (dict(bucket_linears) if isinstance(bucket_linears, dict)
+                               else dict.fromkeys(self.buckets, bucket_linears))
         self.compiles = 0  # Inductor compiles, warm-up included
         self._warm = None  # compiles when warm_up finished
         self.compile_seconds = 0.0
@@ -358,7 +376,7 @@ class StepGraphs:
         t0 = time.perf_counter()
         name = f"bucket{key}" if key != "dynamic" else "dynamic"
         gm = copy_graph_module(self._base)
-        if key != "dynamic" and self.bucket_linears == "gemv":
+        if key != "dynamic" and self.bucket_linears.get(key) == "gemv":
             bind_gemv(gm)
         # fakes under our own shape env for both kinds: a scalar the model lifted to an input (a norm's
         # epsilon) is read with .item(), which a fake mode without a shape env refuses

@@ -220,13 +220,13 @@ class DecoderProgram:
 
     def compile_steps(self, kv_cache: list[tuple[torch.Tensor, ...]], table_width: int,
                       buckets: tuple[int, ...] | None = None, progress: Callable[[str], None] | None = None,
-                      background: bool = False, bucket_linears: str = "inductor") -> None:
+                      background: bool = False, bucket_linears: str | dict[int, str] = "inductor") -> None:
         """Compile the step graphs of ``options.lowering`` for this cache (nothing for "eager").
 
         ``table_width``: the widest block table a step may carry (bucket graphs are specialized
         to it). ``buckets``: the static graphs' stream sizes; by default measured on this machine
         (:func:`~specgraph.compiler.inductor.choose_buckets`, its reason in ``self.step_plan``);
-        given buckets run their linears as ``bucket_linears`` ("inductor" or "gemv").
+        given buckets run their linears as ``bucket_linears`` ("inductor" or "gemv", or one per bucket).
         Once compiled, every call runs generated code (see :mod:`specgraph.compiler.inductor`).
         ``progress(stage)`` is told which graph is being compiled. With ``background``, a thread
         compiles while calls keep running the eager lowering; they switch to the generated code
@@ -256,7 +256,7 @@ class DecoderProgram:
             self._compiling.join(timeout)
         return self._steps is not None
 
-    def _build_steps(self, kv_cache, table_width: int, buckets, progress, bucket_linears: str):
+    def _build_steps(self, kv_cache, table_width: int, buckets, progress, bucket_linears):
         from .inductor import StepGraphs, choose_buckets
 
         if buckets is None:

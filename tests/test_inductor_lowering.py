@@ -146,7 +146,7 @@ def test_inductor_engine_with_other_caches_equals_the_eager_engine(kv_dtype):
     assert out["inductor"] == out["eager"]
 
 
-@pytest.mark.parametrize("linears", ["inductor", "gemv"])
+@pytest.mark.parametrize("linears", ["inductor", "gemv", {1: "inductor", 4: "gemv"}], ids=["inductor", "gemv", "mixed"])
 def test_static_buckets_and_the_dynamic_graph_equal_the_eager_program(linears):
     """Steps of 1 token (bucket 1), 3 tokens (padded to bucket 4) and 9 tokens (dynamic graph), over two
     caches filled identically: the compiled program's logits equal the eager program's, whether the
@@ -169,21 +169,28 @@ def test_static_buckets_and_the_dynamic_graph_equal_the_eager_program(linears):
     assert compiled.compiles == 3
 
 
-def _timings(gemv_1, onednn_2, gemv_4, onednn_4, gemv_8, onednn_8):
+def _timings(gemv_1, onednn_2, gemv_4, onednn_4, gemv_8, onednn_8, mkl_1=10.0, mkl_8=20.0):
     return {"oneDNN (2 rows)": onednn_2, "oneDNN (4 rows)": onednn_4, "oneDNN (8 rows)": onednn_8,
-            "MKL (1 row)": 10.0, "specgraph gemv (1 row)": gemv_1, "specgraph gemv (4 rows)": gemv_4,
-            "specgraph gemv (8 rows)": gemv_8}
+            "MKL (1 row)": mkl_1, "MKL (4 rows)": 20.0, "MKL (8 rows)": mkl_8, "specgraph gemv (1 row)": gemv_1,
+            "specgraph gemv (4 rows)": gemv_4, "specgraph gemv (8 rows)": gemv_8}
 
 
-@pytest.mark.parametrize("times, buckets", [
-    (_timings(6, 9, 7, 9, 9.5, 8.6), (1, 4)),  # the AVX-512 EPYC: gemv wins at 1 and 4 rows, loses at 8
-    (_timings(6, 9, 7, 9, 7, 9), (1, 4, 8)),
-    (_timings(6, 9, 9, 9, 9.5, 8.6), (1,)),  # a tie at 4 rows is no reason for another graph
-    (_timings(9, 8, 5, 9, 5, 9), ()),  # oneDNN wins a decode: the dynamic graph serves everything
+G, M = "gemv", "inductor"
+
+
+@pytest.mark.parametrize("times, linears", [
+    (_timings(6, 9, 7, 9, 9.5, 8.6), {1: G, 4: G}),  # the AVX-512 EPYC: gemv wins at 1 and 4 rows, loses at 8
+    (_timings(6, 9, 7, 9, 7, 9), {1: G, 4: G, 8: G}),
+    (_timings(6, 9, 9, 9, 9.5, 8.6), {1: G}),  # a tie at 4 rows is no reason for another graph
+    (_timings(9, 8, 5, 9, 5, 9), {}),  # oneDNN wins a decode: the dynamic graph serves everything
+    (_timings(8.9, 10.8, 9.0, 10.6, 10.5, 12.6, mkl_1=8.6), {1: M, 4: G, 8: G}),  # the AVX-512 Xeon: MKL at 1 row
+    (_timings(8.9, 10.8, 9.0, 10.6, 10.5, 12.6, mkl_1=8.6, mkl_8=9.9), {1: M, 4: G, 8: M}),
+    (_timings(9, 8, 5, 9, 5, 9, mkl_1=9.0), {}),  # no 1-token graph: a decode must not pad to a wide one
 ])
-def test_step_graphs_follow_the_measured_linears(times, buckets, monkeypatch):
-    """The static step graphs come from the timings: one for 1 token when the C++ kernel beats
-    oneDNN's 2-row GEMM, and one for each wider step it also wins by 5%."""
+def test_step_graphs_follow_the_measured_linears(times, linears, monkeypatch):
+    """The static step graphs come from the timings: one for 1 token when MKL or the C++ kernel
+    beats oneDNN's 2-row GEMM, and beside it one for each wider step where one of them also wins
+    by 5%, each bucket with the faster of the two."""
     from specgraph.compiler import inductor
 
     class Linear(torch.nn.Module):
@@ -196,7 +203,7 @@ def test_step_graphs_follow_the_measured_linears(times, buckets, monkeypatch):
 
     monkeypatch.setattr(inductor, "_time_linears", lambda weights: times)
     plan = inductor.choose_buckets(torch.fx.symbolic_trace(Linear()), torch.device("cpu"))
-    assert plan.buckets == buckets, plan.reason
+    assert plan.buckets == tuple(linears) and plan.bucket_linears == linears, plan.reason
 
 
 def test_dynamic_steps_pad_to_the_cheapest_measured_size():
