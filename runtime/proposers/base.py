@@ -122,8 +122,12 @@ class DraftContext:
                               weight_calibration=t.weight_calibration if self.calibration is None else self.calibration)
 
     def refuse_own_weight_dtype(self, draft: str, why: str) -> None:
-        """A draft without weights of its own cannot take another weight dtype than the target's."""
+        """A draft without weights of its own cannot take another weight dtype than the target's.
+        (The target's options are read only when a dtype is asked for: a ready proposer may wrap
+        any program.)"""
+        if self.weight_dtype is None:
+            return
         target = self.program.compiled.context.options.weight_dtype
-        if self.weight_dtype is not None and self.weight_dtype != target:
+        if self.weight_dtype != target:
             raise ValueError(f"draft_weight_dtype={self.weight_dtype!r} needs a draft model: draft={draft!r} takes "
                              f"the target's weight_dtype={target!r} ({why})")
