@@ -107,7 +107,6 @@ def _register_native_fakes() -> None:
               window=0, softcap=0.0, alibi_slopes=None):
             return q.new_empty(q.shape)
 
-    for scheme in ("fp8", "int4"):
         @torch.library.register_fake(f"specgraph_cpu::cache_write_{scheme}")
         def _(k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping):
             return None
@@ -283,7 +282,7 @@ BF16_DOT_ROWS = (1, 2, 4, 8)  # row counts of x choose_bf16_products times
 def choose_bf16_products(weights: list[torch.Tensor], repeats: int = 5) -> str:
     """Set, by measurement, up to how many rows of x bfloat16 weights run on the CPU's native bf16 dot
     products (``cpu_quant_linear.cpp``: x split into two bf16 parts, so the result stays within
-    float32 rounding of widening the weights) instead of being widened to float32; returns what it
+    2^-17 of |x|.|w| of widening the weights) instead of being widened to float32; returns what it
     measured and chose. ``weights``: the model's bfloat16 ``[N, K]`` weights (K % 32 == 0), streamed
     as a decode step streams them. A CPU without the instructions (or a build without the
     extension) keeps widening. The switch is process-wide: the choice belongs to the machine."""
