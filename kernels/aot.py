@@ -23,7 +23,8 @@ product: bf16 / 128 and fp32 / 32 for float caches, bf16 / 64 for quantized ones
 layout is fixed per scheme: e4m3 bits / int4 nibbles as ``uint8``, int4 groups following
 from head_dim). The variant's ``window`` is a runtime argument; its ``HAS_SOFTCAP`` /
 ``HAS_ALIBI`` flags only add elementwise code on the scores, so their three on-combinations
-are built at the first of those points per layout. Quantized cache writes
+are built at the first of those points per layout, and so is ``HAS_TREE`` (token trees:
+``tree_mask.py``) for every padded GQA group. Quantized cache writes
 (``quant_cache_write.py``) build every (dtype, head_dim).
 
 ``quant_linear_int8``, ``quant_linear_int4``, ``quant_linear_fp8`` and ``quant_linear_bfloat16``
@@ -78,6 +79,7 @@ class KernelSpec:
     block_g: int | None = None  # paged_attention only: padded GQA group
     softcap: bool = False  # paged_attention only: the variant's HAS_SOFTCAP / HAS_ALIBI
     alibi: bool = False
+    tree: bool = False  # paged_attention only: HAS_TREE (a tree_mask is given)
     block_m: int | None = None  # quant_linear only: rows per program
     bias: bool = False  # quant_linear only: HAS_BIAS
 
@@ -90,7 +92,7 @@ class KernelSpec:
             parts += [f"p{self.page_size}", f"g{self.block_g}"]
         if self.block_m is not None:
             parts.append(f"m{self.block_m}")
-        parts += ["softcap"] * self.softcap + ["alibi"] * self.alibi + ["bias"] * self.bias
+        parts += ["softcap"] * self.softcap + ["alibi"] * self.alibi + ["tree"] * self.tree + ["bias"] * self.bias
         return "_".join(parts)
 
 
@@ -162,6 +164,7 @@ def _paged_attention_source(spec: KernelSpec) -> triton.compiler.ASTSource:
         "k_params_ptr": params, "v_params_ptr": params,
         "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "positions_ptr": "*i64", "seq_ids_ptr": "*i32",
         "alibi_slopes_ptr": "*fp32" if spec.alibi else None,
+        "tree_mask_ptr": "*i32" if spec.tree else None, "query_start_loc_ptr": "*i32", "tree_words": "i32",
         "qk_scale": "fp32", "softcap": "fp32", "window": "i32",
         "stride_qn": "i32", "stride_qh": "i32", "stride_on": "i32", "stride_oh": "i32",
         "stride_bt": "i32",
@@ -182,6 +185,7 @@ def _paged_attention_source(spec: KernelSpec) -> triton.compiler.ASTSource:
         "V_GROUP": v_group,
         "HAS_SOFTCAP": spec.softcap,
         "HAS_ALIBI": spec.alibi,
+        "HAS_TREE": spec.tree,
         "INTERPRETER": False,
     })
     return _ast_source(_attention_kernel_mod.paged_attention_kernel, signature, constexprs)
@@ -265,6 +269,9 @@ def specializations(kernel_name: str) -> list[KernelSpec]:
         KernelSpec(kernel_name, dt, d, _DEFAULT_PAGE_SIZE, bg, softcap, alibi)
         for softcap, alibi in VARIANT_FLAGS for bg in block_gs
     ]
+    # Token trees (HAS_TREE: the mask's bit tests, and the key positions of a step's new keys), at the
+    # first point, for every padded GQA group.
+    specs += [KernelSpec(kernel_name, dt, d, _DEFAULT_PAGE_SIZE, bg, tree=True) for bg in block_gs]
     return specs
 
 

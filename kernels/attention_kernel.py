@@ -81,6 +81,7 @@ def launch_paged_attention(
     window: int,
     softcap: float,
     alibi_slopes: torch.Tensor | None,
+    tree_mask: torch.Tensor | None,  # [N, W] int32 (tree_mask.py) or None
     *,
     layout: str,  # the kernel's LAYOUT: "float", "fp8" or "int4"
     page_size: int,
@@ -106,7 +107,8 @@ def launch_paged_attention(
     paged_attention_kernel[(num_tokens, kv_heads)](
         out, q, k_cache, v_cache, k_params, v_params,
         block_tables, seq_lens, positions, token_seq_ids(query_start_loc, num_tokens),
-        alibi_slopes,
+        alibi_slopes, tree_mask, query_start_loc,
+        0 if tree_mask is None else tree_mask.shape[1],
         scale * LOG2_E.value,
         softcap * LOG2_E.value,
         window if window > 0 else NO_WINDOW,
@@ -124,6 +126,7 @@ def launch_paged_attention(
         V_GROUP=v_group,
         HAS_SOFTCAP=softcap > 0,
         HAS_ALIBI=alibi_slopes is not None,
+        HAS_TREE=tree_mask is not None,
         INTERPRETER=is_interpreted(paged_attention_kernel),
     )
     return out
@@ -139,6 +142,9 @@ def paged_attention_kernel(
     positions_ptr,  # [N]
     seq_ids_ptr,  # [N] int32
     alibi_slopes_ptr,  # [H] fp32 (HAS_ALIBI) or None
+    tree_mask_ptr,  # [N, tree_words] int32 ancestor bits (HAS_TREE) or None
+    query_start_loc_ptr,  # [S + 1] (HAS_TREE: where the tree's nodes are in the stream)
+    tree_words,
     qk_scale,  # softmax scale * log2(e): the softmax runs in base 2
     softcap,  # soft cap * log2(e) (HAS_SOFTCAP)
     window,  # keys j > position - window are visible (NO_WINDOW: all)
@@ -156,6 +162,7 @@ def paged_attention_kernel(
     V_GROUP: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr,
+    HAS_TREE: tl.constexpr,  # new keys seen by the tree mask's bits, at their own positions
     INTERPRETER: tl.constexpr,  # work around interpreter numerics (triton_helpers.py)
 ):
     tok = tl.program_id(0)
@@ -164,7 +171,12 @@ def paged_attention_kernel(
     pos = tl.load(positions_ptr + tok).to(tl.int32)
     seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
     key_start = tl.maximum(pos - window + 1, 0)  # visible keys: key_start <= j < key_end
-    key_end = tl.minimum(pos + 1, seq_len)
+    if HAS_TREE:  # keys up to the token's own cache index; base: the sequence's first new one (tree_mask.py)
+        q_start = tl.load(query_start_loc_ptr + seq).to(tl.int32)
+        base = seq_len - (tl.load(query_start_loc_ptr + seq + 1).to(tl.int32) - q_start)
+        key_end = tl.minimum(base + tok - q_start + 1, seq_len)
+    else:
+        key_end = tl.minimum(pos + 1, seq_len)
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
@@ -185,9 +197,9 @@ def paged_attention_kernel(
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)  # running softmax denominator
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    # Tiles start at key_start, not at a multiple of BLOCK_N (pages are looked up per key), so each
-    # tile's first key is visible: m_new stays finite and exp2(-inf) = 0 is safe. No visible key
-    # (bad input): no tile.
+    # Tiles start at key_start, not at a multiple of BLOCK_N (pages are looked up per key), so without a
+    # tree each tile's first key is visible: m_new stays finite and exp2(-inf) = 0 is safe. No visible key
+    # (bad input): no tile. A tree's tile may see no key: its max is taken as 0 (exp2(-inf - 0) = 0).
     for start in range(key_start, key_end, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         visible = offs_n < key_end
@@ -199,15 +211,27 @@ def paged_attention_kernel(
         v = _load_tile(v_cache_ptr, v_params_ptr, rows, offs_d, tile_mask, visible, HEAD_DIM, V_GROUP, LAYOUT,
                        dot_ty, INTERPRETER)
 
+        key_pos = offs_n
+        if HAS_TREE:
+            r = offs_n - base  # >= 0: the step's new key r, seen by bit r of the mask, at its token's position
+            new = visible & (r >= 0)
+            key_pos = tl.where(new, tl.load(positions_ptr + q_start + r, mask=new, other=0).to(tl.int32), offs_n)
+            in_mask = new & (r < tree_words * 32)
+            word = tl.load(tree_mask_ptr + tok.to(tl.int64) * tree_words + r // 32, mask=in_mask, other=-1)
+            bit = ((word >> (r % 32)) & 1) != 0
+            visible = visible & (bit | (r < 0)) & (key_pos <= pos) & (key_pos > pos - window)
         s = dot(q, tl.trans(k), INTERPRETER) * qk_scale  # [BLOCK_G, BLOCK_N]
         if HAS_SOFTCAP:
             s = softcap * tanh(s / softcap)
         if HAS_ALIBI:
-            s += slopes[:, None] * (offs_n - pos).to(tl.float32)[None, :]
+            s += slopes[:, None] * (key_pos - pos).to(tl.float32)[None, :]
         s = tl.where(visible[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
+        m_ref = m_new
+        if HAS_TREE:  # no key seen yet: exp2 against 0 (all terms are 0), m_i stays -inf
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_ref)
+        p = tl.exp2(s - m_ref[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + dot(cast(p, dot_ty, INTERPRETER), v, INTERPRETER)
         m_i = m_new

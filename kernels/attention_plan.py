@@ -23,6 +23,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .tree_mask import unpack
+
 BATCHED_MAX_QUERIES = 16  # sequences with at most this many new tokens share one padded SDPA call
 
 
@@ -37,6 +39,7 @@ class AttentionGroup:
     out_rows: torch.Tensor | slice  # [M] stream rows the real rows are written to (or a slice)
     mask: torch.Tensor | None  # [B, 1, G * Q, L] bool, True = visible; None: all visible
     query_positions: torch.Tensor  # [B, Q] int64 positions of the padded query rows (ALiBi's bias)
+    key_positions: torch.Tensor | None = None  # [B, L] int64 positions of the keys (None: key index = position)
 
 
 class _LastStep:
@@ -49,22 +52,23 @@ _LAST = _LastStep()
 
 
 def plan_for(block_tables, seq_lens, query_start_loc, positions, page_size: int, group: int,
-             window: int = 0) -> list[AttentionGroup]:
+             window: int = 0, tree_mask: torch.Tensor | None = None) -> list[AttentionGroup]:
     """The step's plan, built on the first call for these metadata tensors and reused after (one per
     layer shape and window: layers with and without a sliding window may alternate)."""
-    tensors = (block_tables, seq_lens, query_start_loc, positions)
-    key = tuple(t._version for t in tensors)
+    tensors = (block_tables, seq_lens, query_start_loc, positions, tree_mask)
+    key = tuple(None if t is None else t._version for t in tensors)
     # identity, not equality: the cached tensors are kept alive, so their ids cannot be reused
     if not (key == _LAST.key and all(a is b for a, b in zip(tensors, _LAST.tensors))):
         _LAST.key, _LAST.tensors, _LAST.plans = key, tensors, {}
     kind = (page_size, group, window)
     if kind not in _LAST.plans:
-        _LAST.plans[kind] = build_plan(block_tables, seq_lens, query_start_loc, positions, page_size, group, window)
+        _LAST.plans[kind] = build_plan(block_tables, seq_lens, query_start_loc, positions, page_size, group, window,
+                                       tree_mask)
     return _LAST.plans[kind]
 
 
 def build_plan(block_tables, seq_lens, query_start_loc, positions, page_size: int, group: int,
-               window: int = 0) -> list[AttentionGroup]:
+               window: int = 0, tree_mask: torch.Tensor | None = None) -> list[AttentionGroup]:
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
     # a sequence without keys (a step's padding sequence) reads nothing: its rows stay 0
@@ -74,13 +78,14 @@ def build_plan(block_tables, seq_lens, query_start_loc, positions, page_size: in
     long = [r for r in runs if r[2] > BATCHED_MAX_QUERIES]
     tables = block_tables.long()
     num_tokens = positions.shape[0]
-    groups = [_group(tables, positions, [r], page_size, group, num_tokens, window) for r in long]
+    groups = [_group(tables, positions, [r], page_size, group, num_tokens, window, tree_mask) for r in long]
     if short:
-        groups.append(_group(tables, positions, short, page_size, group, num_tokens, window))
+        groups.append(_group(tables, positions, short, page_size, group, num_tokens, window, tree_mask))
     return groups
 
 
-def _group(tables, positions, runs, page_size: int, group: int, num_tokens: int, window: int) -> AttentionGroup:
+def _group(tables, positions, runs, page_size: int, group: int, num_tokens: int, window: int,
+           tree_mask: torch.Tensor | None) -> AttentionGroup:
     device = positions.device
     B = len(runs)
     qmax = max(n for _, _, n, _ in runs)
@@ -109,15 +114,46 @@ def _group(tables, positions, runs, page_size: int, group: int, num_tokens: int,
         out_rows = rows.index_select(0, keep)
         q_pos = torch.where(valid, positions.index_select(0, rows), 0).view(B, qmax)
     # a query at position p sees keys 0..p of its own sequence (capped at the sequence's length), and
-    # with a sliding window only the last `window` of them (p - window < j)
-    visible = (key_pos.view(1, 1, L) <= q_pos.view(B, qmax, 1)) & live.view(B, 1, L)  # [B, Q, L]
+    # with a sliding window only the last `window` of them (p - window < j); in a tree step, the new
+    # keys are seen by the mask's bits, at their own positions (tree_mask.py)
+    k_pos = key_pos if tree_mask is None else _tree_key_positions(positions, runs, L)  # [1 or B, L]
+    visible = (k_pos.view(-1, 1, L) <= q_pos.view(B, qmax, 1)) & live.view(B, 1, L)  # [B, Q, L]
+    if tree_mask is not None:
+        visible &= _tree_visible(tree_mask, runs, query_rows, qmax, L)
     if window > 0:
-        visible &= key_pos.view(1, 1, L) > q_pos.view(B, qmax, 1) - window
+        visible &= k_pos.view(-1, 1, L) > q_pos.view(B, qmax, 1) - window
     if bool(visible.all()):
         mask = None
     else:
         mask = visible.repeat(1, group, 1).unsqueeze(1)  # [B, 1, G * Q, L]; row g * Q + t
-    return AttentionGroup(B, qmax, L, slots, query_rows, keep, out_rows, mask, q_pos.long())
+    return AttentionGroup(B, qmax, L, slots, query_rows, keep, out_rows, mask, q_pos.long(),
+                          None if tree_mask is None else k_pos)
+
+
+def _tree_key_positions(positions: torch.Tensor, runs, L: int) -> torch.Tensor:  # [B, L] int64
+    """Key positions in a tree step: committed key ``j`` is at ``j``; new key ``base + r`` at its token's."""
+    rows = []
+    for _, start, n, length in runs:
+        base = length - n
+        new = positions[start:start + n].long()
+        rows.append(torch.cat([torch.arange(base, device=positions.device), new,
+                               torch.arange(length, L, device=positions.device)]))
+    return torch.stack(rows)
+
+
+def _tree_visible(tree_mask: torch.Tensor, runs, query_rows, qmax: int, L: int) -> torch.Tensor:  # [B, Q, L]
+    """Which keys each padded query row's tree bits let it see (committed keys: all)."""
+    B = len(runs)
+    num_rows = tree_mask.shape[0]
+    rows = torch.arange(num_rows)[query_rows] if isinstance(query_rows, slice) else query_rows
+    words = tree_mask.index_select(0, rows.to(tree_mask.device).clamp_max(num_rows - 1))  # [B * Q, W]
+    bits = unpack(words, L).view(B, qmax, L)  # bit r: new key r
+    out = torch.ones(B, qmax, L, dtype=torch.bool, device=tree_mask.device)
+    for b, (_, _, n, length) in enumerate(runs):
+        base = length - n
+        own = torch.arange(qmax, device=tree_mask.device).view(qmax, 1)  # local index of the query row
+        out[b, :, base:] = bits[b, :, :L - base] & (torch.arange(L - base, device=tree_mask.device) <= own)
+    return out
 
 
 def attend(
@@ -174,8 +210,8 @@ def scores_then_softmax(q_g, k, v, grp: AttentionGroup, scale: float, softcap: f
         s = torch.tanh(s / softcap) * softcap
     if alibi_slopes is not None:
         slopes = alibi_slopes.float().view(1, KVH, G, 1, 1)
-        dist = (torch.arange(L, device=s.device).view(1, 1, 1, 1, L)
-                - grp.query_positions.view(B, 1, 1, Q, 1))  # [B, 1, 1, Q, L]
+        keys = torch.arange(L, device=s.device).view(1, L) if grp.key_positions is None else grp.key_positions
+        dist = keys.view(-1, 1, 1, 1, L) - grp.query_positions.view(B, 1, 1, Q, 1)  # [B, 1, 1, Q, L]
         s = s + (slopes * dist).view(B, KVH, GQ, L)
     if grp.mask is not None:
         s = s.masked_fill(~grp.mask, float("-inf"))

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 #include <vector>
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -185,12 +186,19 @@ struct QuantRows {
 // sequence's visible ranges is read once and used by every query token and head of its group that
 // sees it; keys before that union are never touched (a windowed decode reads `window` keys at any
 // context). Items per kv head let one sequence's decode use every thread.
+// Token trees (tree_mask.py): with tree_mask (int32 [N, TW], contiguous) token t of sequence s (base =
+// seq_lens[s] - T, key j's position kp = j below base, else positions[t0 + j - base]) reads keys
+// lo .. hi - 1 with hi = min(base + t + 1, seq_lens[s]) and, with a window, lo = min(p - window + 1, base)
+// (clamped to [0, hi]; new keys are tested one by one). Within that range a key is visible iff kp <= p,
+// kp > p - window (window > 0), and j < base or its bit r = j - base of the token's row is set (r >= 32
+// TW: set). Hidden keys score float lowest (finite under -ffast-math: exp gives 0, no NaN); a token
+// that sees no key outputs 0; ALiBi's bias is slope * (kp - p). Without tree_mask none of it runs.
 // Rows: where the K/V rows come from (FloatRows, QuantRows); P, KVH and num_blocks: the cache's geometry.
 template <class Rows>
 static torch::Tensor attend_rows(torch::Tensor q, const Rows& rows, int64_t P, int64_t KVH, int64_t num_blocks,
                                  torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor query_start_loc,
                                  torch::Tensor positions, double scale, int64_t window, double softcap,
-                                 c10::optional<torch::Tensor> alibi_slopes) {
+                                 c10::optional<torch::Tensor> alibi_slopes, c10::optional<torch::Tensor> tree_mask) {
   const int64_t N = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t G = H / KVH, S = seq_lens.size(0), MB = block_tables.size(1);
   TORCH_CHECK(window >= 0 && softcap >= 0.0, "window and softcap must be >= 0; got ", window, " and ", softcap);
@@ -200,6 +208,16 @@ static torch::Tensor attend_rows(torch::Tensor q, const Rows& rows, int64_t P, i
                 alibi_slopes->size(0) == H && alibi_slopes->is_contiguous() && alibi_slopes->device().is_cpu(),
                 "alibi_slopes must be a contiguous float32 CPU tensor [num_heads=", H, "]");
     slopes = alibi_slopes->data_ptr<float>();
+  }
+  const int32_t* tm = nullptr;
+  int64_t TW = 0;
+  if (tree_mask.has_value()) {
+    TORCH_CHECK(tree_mask->scalar_type() == torch::kInt && tree_mask->dim() == 2 && tree_mask->size(0) == N &&
+                tree_mask->size(1) >= 1 && tree_mask->is_contiguous() && tree_mask->device().is_cpu(),
+                "tree_mask must be a contiguous int32 CPU tensor [N=", N, ", W>=1]; got ", tree_mask->scalar_type(), " ",
+                tree_mask->sizes(), tree_mask->is_contiguous() ? "" : " (not contiguous)", " on ", tree_mask->device());
+    tm = tree_mask->data_ptr<int32_t>();
+    TW = tree_mask->size(1);
   }
   auto out = torch::zeros({N, H, D}, q.options());
   const float* qp = q.data_ptr<float>();
@@ -211,8 +229,9 @@ static torch::Tensor attend_rows(torch::Tensor q, const Rows& rows, int64_t P, i
   const float sc = static_cast<float>(scale);
   const float cap = static_cast<float>(softcap), inv_cap = softcap > 0.0 ? static_cast<float>(1.0 / softcap) : 0.f;
   at::parallel_for(0, S * KVH, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, kbuf, vbuf;
+    std::vector<float> scores, kbuf, vbuf, kdist;  // kdist: a tree token's kp - p per key of its range
     std::vector<int64_t> lo, hi, off;
+    std::vector<uint8_t> vis;  // a tree token's visible keys in its range
     for (int64_t item = begin; item < end; ++item) {
       const int64_t s = item / KVH, kvh = item % KVH, h0 = kvh * G;  // query heads h0 .. h0 + G - 1
       const int64_t t0 = std::max<int64_t>(qsl[s], 0), t1 = std::min<int64_t>(qsl[s + 1], N);
@@ -222,10 +241,12 @@ static torch::Tensor attend_rows(torch::Tensor q, const Rows& rows, int64_t P, i
       hi.assign(T, 0);
       // the keys the step reads: [k0, k1), the union of the tokens' visible ranges
       int64_t k0 = INT64_MAX, k1 = 0;
+      const int64_t base = lens[s] - T;  // a tree's first new key
       for (int64_t t = 0; t < T; ++t) {
         const int64_t p = pos[t0 + t];
-        hi[t] = std::max<int64_t>(std::min<int64_t>(p + 1, lens[s]), 0);
-        if (window > 0) lo[t] = std::min(std::max<int64_t>(p - window + 1, 0), hi[t]);
+        hi[t] = std::max<int64_t>(std::min<int64_t>(tm ? base + t + 1 : p + 1, lens[s]), 0);
+        if (window > 0)
+          lo[t] = std::min(std::max<int64_t>(tm ? std::min(p - window + 1, base) : p - window + 1, 0), hi[t]);
         if (lo[t] < hi[t]) {
           k0 = std::min(k0, lo[t]);
           k1 = std::max(k1, hi[t]);
@@ -257,8 +278,22 @@ static torch::Tensor attend_rows(torch::Tensor q, const Rows& rows, int64_t P, i
           }
         }
         for (int64_t t = 0; t < T; ++t) {
-          const int64_t n = hi[t] - lo[t];
+          const int64_t n = hi[t] - lo[t], p = pos[t0 + t];
           if (n <= 0) continue;
+          if (tm) {  // the tree rule (above) for keys lo[t] .. hi[t] - 1
+            const uint32_t* row = reinterpret_cast<const uint32_t*>(tm + (t0 + t) * TW);
+            kdist.resize(n);
+            vis.resize(n);
+            bool any = false;
+            for (int64_t i = 0; i < n; ++i) {
+              const int64_t j = lo[t] + i, r = j - base, kp = r < 0 ? j : pos[t0 + r];
+              vis[i] = kp <= p && (window == 0 || kp > p - window) &&
+                       (r < 0 || r >= 32 * TW || ((row[r / 32] >> (r % 32)) & 1u));
+              kdist[i] = static_cast<float>(kp - p);
+              any = any || vis[i];
+            }
+            if (!any) continue;
+          }
           for (int64_t g = 0; g < G; ++g) {
             const int64_t head = h0 + g;
             float* sg = scores.data() + (t * G + g) * nk + (lo[t] - kb);  // sg[i]: key lo[t] + i
@@ -267,10 +302,17 @@ static torch::Tensor attend_rows(torch::Tensor q, const Rows& rows, int64_t P, i
               for (int64_t i = 0; i < n; ++i) sg[i] = cap * tanhf(sg[i] * inv_cap);
             }
             if (slopes) {
-              const float slope = slopes[head], d0 = static_cast<float>(lo[t] - pos[t0 + t]);  // j - p at i = 0
+              const float slope = slopes[head], d0 = static_cast<float>(lo[t] - p);  // j - p at i = 0
+              if (tm) {
+                for (int64_t i = 0; i < n; ++i) sg[i] += slope * kdist[i];
+              } else {
 #pragma omp simd
-              for (int64_t i = 0; i < n; ++i) sg[i] += slope * (d0 + static_cast<float>(i));
+                for (int64_t i = 0; i < n; ++i) sg[i] += slope * (d0 + static_cast<float>(i));
+              }
             }
+            if (tm)
+              for (int64_t i = 0; i < n; ++i)
+                if (!vis[i]) sg[i] = std::numeric_limits<float>::lowest();
             const float mx = *std::max_element(sg, sg + n);
             float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
@@ -297,10 +339,11 @@ static torch::Tensor attend_rows(torch::Tensor q, const Rows& rows, int64_t P, i
 torch::Tensor paged_attention_short(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                     torch::Tensor block_tables, torch::Tensor seq_lens,
                                     torch::Tensor query_start_loc, torch::Tensor positions, double scale,
-                                    int64_t window, double softcap, c10::optional<torch::Tensor> alibi_slopes) {
+                                    int64_t window, double softcap, c10::optional<torch::Tensor> alibi_slopes,
+                                    c10::optional<torch::Tensor> tree_mask) {
   const FloatRows rows{k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), k_cache.size(2)};
   return attend_rows(q, rows, k_cache.size(1), k_cache.size(2), k_cache.size(0), block_tables, seq_lens,
-                     query_start_loc, positions, scale, window, softcap, alibi_slopes);
+                     query_start_loc, positions, scale, window, softcap, alibi_slopes, tree_mask);
 }
 
 // The same over a quantized layer cache (k_cache, v_cache, k_scale, v_scale; quant.py), scheme "fp8"
@@ -309,7 +352,8 @@ torch::Tensor paged_attention_quant_short(torch::Tensor q, torch::Tensor k_cache
                                           torch::Tensor k_scale, torch::Tensor v_scale, torch::Tensor block_tables,
                                           torch::Tensor seq_lens, torch::Tensor query_start_loc,
                                           torch::Tensor positions, double scale, int64_t window, double softcap,
-                                          c10::optional<torch::Tensor> alibi_slopes, std::string scheme) {
+                                          c10::optional<torch::Tensor> alibi_slopes,
+                                          c10::optional<torch::Tensor> tree_mask, std::string scheme) {
   const bool int4 = scheme == "int4";
   TORCH_CHECK(int4 || scheme == "fp8", "paged_attention_quant_short: scheme must be fp8 or int4; got ", scheme);
   const int64_t D = q.size(2), KVH = k_cache.size(2);
@@ -320,7 +364,7 @@ torch::Tensor paged_attention_quant_short(torch::Tensor q, torch::Tensor k_cache
     rows.v_group = D / v_scale.size(3);
   }
   return attend_rows(q, rows, k_cache.size(1), KVH, k_cache.size(0), block_tables, seq_lens, query_start_loc,
-                     positions, scale, window, softcap, alibi_slopes);
+                     positions, scale, window, softcap, alibi_slopes, tree_mask);
 }
 
 // Where the attention kernel beats the torch path (measured on SmolLM2's heads, 2 threads). Its cost
@@ -470,30 +514,48 @@ torch::Tensor gemv(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor
 
 // Native ops for compiled graphs: no Python on the path when the C++ kernels apply; otherwise the
 // specgraph:: custom op (the kernel registry) runs the call. Same arguments and results.
+// The variant and the tree mask run in the kernel too; an invalid one goes to the dispatcher, whose
+// check says why. kernel_options: the kernel's forms of the slopes (float32) and mask (contiguous).
+static bool options_fit(const torch::Tensor& q, int64_t window, double softcap,
+                        const c10::optional<torch::Tensor>& alibi_slopes, const c10::optional<torch::Tensor>& tree_mask) {
+  return window >= 0 && softcap >= 0.0 && q.dim() == 3 &&
+         (!alibi_slopes.has_value() || (alibi_slopes->dim() == 1 && alibi_slopes->size(0) == q.size(1) &&
+                                        alibi_slopes->is_floating_point() && alibi_slopes->device().is_cpu())) &&
+         (!tree_mask.has_value() || (tree_mask->scalar_type() == torch::kInt && tree_mask->dim() == 2 &&
+                                     tree_mask->size(0) == q.size(0) && tree_mask->size(1) >= 1 &&
+                                     tree_mask->device().is_cpu()));
+}
+
+static std::pair<c10::optional<torch::Tensor>, c10::optional<torch::Tensor>> kernel_options(
+    const c10::optional<torch::Tensor>& alibi_slopes, const c10::optional<torch::Tensor>& tree_mask) {
+  c10::optional<torch::Tensor> slopes, mask;
+  if (alibi_slopes.has_value()) slopes = alibi_slopes->to(torch::kFloat).contiguous();
+  if (tree_mask.has_value()) mask = tree_mask->contiguous();
+  return {slopes, mask};
+}
+
 torch::Tensor native_paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor seq_lens,
                                      torch::Tensor query_start_loc, torch::Tensor positions, double scale,
-                                     int64_t window, double softcap, c10::optional<torch::Tensor> alibi_slopes) {
-  // the variant runs in the kernel too; an invalid one goes to the dispatcher, whose check says why
-  const bool variant_ok = window >= 0 && softcap >= 0.0 &&
-                          (!alibi_slopes.has_value() ||
-                           (alibi_slopes->dim() == 1 && q.dim() == 3 && alibi_slopes->size(0) == q.size(1) &&
-                            alibi_slopes->is_floating_point() && alibi_slopes->device().is_cpu()));
-  const bool fits = variant_ok && q.scalar_type() == torch::kFloat && k_cache.scalar_type() == torch::kFloat &&
+                                     int64_t window, double softcap, c10::optional<torch::Tensor> alibi_slopes,
+                                     c10::optional<torch::Tensor> tree_mask) {
+  const bool fits = options_fit(q, window, softcap, alibi_slopes, tree_mask) && q.scalar_type() == torch::kFloat &&
+                    k_cache.scalar_type() == torch::kFloat &&
                     v_cache.scalar_type() == torch::kFloat && k_cache.is_contiguous() && v_cache.is_contiguous() &&
                     block_tables.scalar_type() == torch::kInt && seq_lens.scalar_type() == torch::kInt &&
                     query_start_loc.scalar_type() == torch::kInt && positions.scalar_type() == torch::kLong;
   if (fits && attention_pays(seq_lens, query_start_loc)) {
-    c10::optional<torch::Tensor> slopes;
-    if (alibi_slopes.has_value()) slopes = alibi_slopes->to(torch::kFloat).contiguous();
+    const auto [slopes, mask] = kernel_options(alibi_slopes, tree_mask);
     return paged_attention_short(q.contiguous(), k_cache, v_cache, block_tables.contiguous(), seq_lens.contiguous(),
-                                 query_start_loc.contiguous(), positions.contiguous(), scale, window, softcap, slopes);
+                                 query_start_loc.contiguous(), positions.contiguous(), scale, window, softcap, slopes,
+                                 mask);
   }
   static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("specgraph::paged_attention", "")
       .typed<torch::Tensor(torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor,
-                           torch::Tensor, double, int64_t, double, c10::optional<torch::Tensor>)>();
+                           torch::Tensor, double, int64_t, double, c10::optional<torch::Tensor>,
+                           c10::optional<torch::Tensor>)>();
   return op.call(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, positions, scale, window, softcap,
-                 alibi_slopes);
+                 alibi_slopes, tree_mask);
 }
 
 // the native twins of specgraph::paged_attention_fp8 / _int4: the kernel where the layout is the
@@ -525,28 +587,25 @@ torch::Tensor native_quant_paged_attention(torch::Tensor q, torch::Tensor k_cach
                                            torch::Tensor k_scale, torch::Tensor v_scale, torch::Tensor block_tables,
                                            torch::Tensor seq_lens, torch::Tensor query_start_loc, torch::Tensor positions,
                                            double scale, int64_t window, double softcap,
-                                           c10::optional<torch::Tensor> alibi_slopes) {
-  const bool variant_ok = window >= 0 && softcap >= 0.0 &&
-                          (!alibi_slopes.has_value() ||
-                           (alibi_slopes->dim() == 1 && q.dim() == 3 && alibi_slopes->size(0) == q.size(1) &&
-                            alibi_slopes->is_floating_point() && alibi_slopes->device().is_cpu()));
-  const bool fits = variant_ok && quant_attention_fits(q, k_cache, v_cache, k_scale, v_scale, Int4) &&
+                                           c10::optional<torch::Tensor> alibi_slopes,
+                                           c10::optional<torch::Tensor> tree_mask) {
+  const bool fits = options_fit(q, window, softcap, alibi_slopes, tree_mask) &&
+                    quant_attention_fits(q, k_cache, v_cache, k_scale, v_scale, Int4) &&
                     block_tables.scalar_type() == torch::kInt && seq_lens.scalar_type() == torch::kInt &&
                     query_start_loc.scalar_type() == torch::kInt && positions.scalar_type() == torch::kLong;
   if (fits && attention_pays(seq_lens, query_start_loc)) {
-    c10::optional<torch::Tensor> slopes;
-    if (alibi_slopes.has_value()) slopes = alibi_slopes->to(torch::kFloat).contiguous();
+    const auto [slopes, mask] = kernel_options(alibi_slopes, tree_mask);
     return paged_attention_quant_short(q.contiguous(), k_cache, v_cache, k_scale, v_scale, block_tables.contiguous(),
                                        seq_lens.contiguous(), query_start_loc.contiguous(), positions.contiguous(),
-                                       scale, window, softcap, slopes, Int4 ? "int4" : "fp8");
+                                       scale, window, softcap, slopes, mask, Int4 ? "int4" : "fp8");
   }
   static auto op = c10::Dispatcher::singleton()
       .findSchemaOrThrow(Int4 ? "specgraph::paged_attention_int4" : "specgraph::paged_attention_fp8", "")
       .typed<torch::Tensor(torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor,
                            torch::Tensor, torch::Tensor, torch::Tensor, double, int64_t, double,
-                           c10::optional<torch::Tensor>)>();
+                           c10::optional<torch::Tensor>, c10::optional<torch::Tensor>)>();
   return op.call(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, query_start_loc, positions, scale,
-                 window, softcap, alibi_slopes);
+                 window, softcap, alibi_slopes, tree_mask);
 }
 
 // whether the quantized kernel takes a call (for the registry's "cpp" implementation)
@@ -574,12 +633,12 @@ TORCH_LIBRARY(specgraph_cpu, m) {
   m.def("gemv(Tensor x, Tensor w, Tensor? bias) -> Tensor");
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
         "Tensor query_start_loc, Tensor positions, float scale, int window=0, float softcap=0.0, "
-        "Tensor? alibi_slopes=None) -> Tensor");
+        "Tensor? alibi_slopes=None, Tensor? tree_mask=None) -> Tensor");
   m.def("cache_write(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
 #define SPECGRAPH_QUANT_ATTENTION_SCHEMA(scheme)                                                                   \
   "paged_attention_" scheme "(Tensor q, Tensor k_cache, Tensor v_cache, Tensor k_scale, Tensor v_scale, "          \
   "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, Tensor positions, float scale, int window=0, "   \
-  "float softcap=0.0, Tensor? alibi_slopes=None) -> Tensor"
+  "float softcap=0.0, Tensor? alibi_slopes=None, Tensor? tree_mask=None) -> Tensor"
   m.def(SPECGRAPH_QUANT_ATTENTION_SCHEMA("fp8"));
   m.def(SPECGRAPH_QUANT_ATTENTION_SCHEMA("int4"));
 #undef SPECGRAPH_QUANT_ATTENTION_SCHEMA

@@ -22,7 +22,9 @@ union of its tokens' ranges, never the keys before it: a windowed decode reads `
 (and checks only those block-table entries) at any context length. The soft cap and the ALiBi
 bias rewrite the scores row by row between the QK pass and the softmax, behind one test per
 (token, head); the window's per-key test is compiled only into the windowed instance of the loops
-(a template flag), so plain calls run the same loops as before.
+(a template flag), so plain calls run the same loops as before. Token trees (``tree_mask``,
+``tree_mask.py``): each token reads keys up to its own cache index, those the rule hides scored the
+float minimum (exp gives 0), ALiBi biased by the keys' positions; without a mask none of it runs.
 
 It serves decode steps, and short speculative verifies over short contexts (``attention_pays``),
 over float32, fp8 and int4 caches (float32 queries), with or without a variant; anything else
@@ -55,6 +57,7 @@ from .paged_attention import check_attention_args, check_stream_args, check_vari
 from .quant import fp8_layout, int4_layout
 from .quant_linear import check_quant_linear_args
 from .registry import register
+from .tree_mask import check_tree_mask
 
 _SOURCES = ("cpu_kernels.cpp", "cpu_quant_linear.cpp", "cpu_quant_cache.cpp")  # beside this file, compiled as one extension
 CPP_SOURCE = "\n".join((Path(__file__).with_name(name)).read_text() for name in _SOURCES)
@@ -98,13 +101,13 @@ def _register_native_fakes() -> None:
     """Shapes of the native ops for FakeTensor tracing (the ops themselves are defined in C++)."""
     @torch.library.register_fake("specgraph_cpu::paged_attention")
     def _(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, positions, scale, window=0, softcap=0.0,
-          alibi_slopes=None):
+          alibi_slopes=None, tree_mask=None):
         return q.new_empty(q.shape)
 
     for scheme in ("fp8", "int4"):
         @torch.library.register_fake(f"specgraph_cpu::paged_attention_{scheme}")
         def _(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, query_start_loc, positions, scale,
-              window=0, softcap=0.0, alibi_slopes=None):
+              window=0, softcap=0.0, alibi_slopes=None, tree_mask=None):
             return q.new_empty(q.shape)
 
         @torch.library.register_fake(f"specgraph_cpu::cache_write_{scheme}")
@@ -156,10 +159,16 @@ def build_error() -> str | None:
     return _error
 
 
+def _kernel_options(alibi_slopes, tree_mask):
+    """The kernels' forms of the optional arguments: float32 slopes, a contiguous tree mask."""
+    return (None if alibi_slopes is None else alibi_slopes.to(torch.float32).contiguous(),
+            None if tree_mask is None else tree_mask.contiguous())
+
+
 def paged_attention_short_cpp(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, positions, scale,
-                              window=0, softcap=0.0, alibi_slopes=None):
-    """The C++ kernel (same contract as ``paged_attention_ref``, variant included; float32 q and caches, any
-    query counts; slopes of any float dtype are passed as float32)."""
+                              window=0, softcap=0.0, alibi_slopes=None, tree_mask=None):
+    """The C++ kernel (same contract as ``paged_attention_ref``, variant and token trees included; float32 q
+    and caches, any query counts; slopes of any float dtype are passed as float32)."""
     module = load()
     if module is None:
         raise RuntimeError(f"the C++ CPU attention kernel is not available: {_error}")
@@ -167,7 +176,7 @@ def paged_attention_short_cpp(q, k_cache, v_cache, block_tables, seq_lens, query
         q.contiguous(), k_cache, v_cache, block_tables.to(torch.int32).contiguous(),
         seq_lens.to(torch.int32).contiguous(), query_start_loc.to(torch.int32).contiguous(),
         positions.to(torch.int64).contiguous(), float(scale), int(window), float(softcap),
-        None if alibi_slopes is None else alibi_slopes.to(torch.float32).contiguous())
+        *_kernel_options(alibi_slopes, tree_mask))
 
 
 def _kernel_applies(q, k_cache, v_cache) -> bool:
@@ -176,13 +185,15 @@ def _kernel_applies(q, k_cache, v_cache) -> bool:
 
 
 def _cpp_takes(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, positions, scale, window=0,
-               softcap=0.0, alibi_slopes=None) -> bool:
+               softcap=0.0, alibi_slopes=None, tree_mask=None) -> bool:
     """The registry's test: float32 contiguous caches on CPU, the kernel built, and a step where it pays
-    (with or without a variant: the kernel implements the window, the soft cap and ALiBi)."""
+    (with or without a variant or a tree: the kernel implements the window, the soft cap, ALiBi and the
+    tree mask)."""
     if not (_kernel_applies(q, k_cache, v_cache) and load() is not None):
         return False
     check_attention_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, positions)
     check_variant(q, window, softcap, alibi_slopes)
+    check_tree_mask(q, tree_mask)
     return bool(load().attention_pays(seq_lens, query_start_loc))
 
 
@@ -193,7 +204,7 @@ def _quant_attention(scheme: str):
     """The C++ kernel over a quantized cache (``quant_paged_attention.py``'s contract for ``scheme``;
     float32 q): each item's K/V rows dequantized once into the thread's buffers, then the float loops."""
     def run(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, query_start_loc, positions, scale,
-            window=0, softcap=0.0, alibi_slopes=None):
+            window=0, softcap=0.0, alibi_slopes=None, tree_mask=None):
         module = load()
         if module is None:
             raise RuntimeError(f"the C++ CPU attention kernel is not available: {_error}")
@@ -201,15 +212,16 @@ def _quant_attention(scheme: str):
             q.contiguous(), k_cache, v_cache, k_scale, v_scale, block_tables.to(torch.int32).contiguous(),
             seq_lens.to(torch.int32).contiguous(), query_start_loc.to(torch.int32).contiguous(),
             positions.to(torch.int64).contiguous(), float(scale), int(window), float(softcap),
-            None if alibi_slopes is None else alibi_slopes.to(torch.float32).contiguous(), scheme)
+            *_kernel_options(alibi_slopes, tree_mask), scheme)
 
     def takes(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, query_start_loc, positions, scale,
-              window=0, softcap=0.0, alibi_slopes=None) -> bool:
+              window=0, softcap=0.0, alibi_slopes=None, tree_mask=None) -> bool:
         if q.dtype != torch.float32 or q.device.type != "cpu" or load() is None:
             return False
         layout = (int4_layout if scheme == "int4" else fp8_layout)(k_cache, v_cache, k_scale, v_scale)
         check_stream_args(q, layout.kv_heads, layout.head_dim, block_tables, seq_lens, query_start_loc, positions)
         check_variant(q, window, softcap, alibi_slopes)
+        check_tree_mask(q, tree_mask)
         return (bool(load().quant_attention_applies(q, k_cache, v_cache, k_scale, v_scale, scheme))
                 and bool(load().attention_pays(seq_lens, query_start_loc)))
 

@@ -3,7 +3,7 @@
 * ``torch.ops.specgraph.cache_write(k, v, k_cache, v_cache, slot_mapping) -> None``
   (mutates ``k_cache`` and ``v_cache``; aot_autograd wraps it in ``auto_functionalized``)
 * ``torch.ops.specgraph.paged_attention(q, k_cache, v_cache, block_tables, seq_lens,
-  query_start_loc, positions, scale, window=0, softcap=0.0, alibi_slopes=None) -> Tensor``
+  query_start_loc, positions, scale, window=0, softcap=0.0, alibi_slopes=None, tree_mask=None) -> Tensor``
 
 Each body hands the call to ``registry.dispatch``, the one rule that picks an implementation
 (Triton on CUDA or when forced, the C++ kernel for CPU decodes, else the torch reference).
@@ -53,14 +53,15 @@ def paged_attention(
     window: int = 0,
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,  # [num_heads] float
+    tree_mask: torch.Tensor | None = None,  # [N, W] int32 ancestor bits (tree_mask.py)
 ) -> torch.Tensor:  # [N, num_heads, head_dim], q.dtype, contiguous
     """Causal paged attention of a flat token stream, with the optional score modifiers
-    (sliding window, soft-capping, ALiBi; see ``paged_attention.py``)."""
+    (sliding window, soft-capping, ALiBi; see ``paged_attention.py``) and token trees."""
     return dispatch("paged_attention", q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, positions, scale,
-                    window, softcap, alibi_slopes)
+                    window, softcap, alibi_slopes, tree_mask)
 
 
 @paged_attention.register_fake
 def _paged_attention_fake(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, positions, scale, window=0,
-                          softcap=0.0, alibi_slopes=None):
+                          softcap=0.0, alibi_slopes=None, tree_mask=None):
     return q.new_empty(q.shape)

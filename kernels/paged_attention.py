@@ -43,6 +43,7 @@ import torch
 from .attention_kernel import launch_paged_attention
 from .attention_plan import attend, plan_for
 from .registry import register
+from .tree_mask import check_tree_mask
 
 CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -93,8 +94,10 @@ def check_same_device(*tensors: torch.Tensor) -> None:
         raise ValueError(f"all tensors must be on one device; got {sorted(map(str, devices))}")
 
 
-def check_variant(q: torch.Tensor, window: int, softcap: float, alibi_slopes: torch.Tensor | None) -> None:
-    """Validate the score modifiers (module glossary, "variant"); raises ``ValueError``."""
+def check_variant(q: torch.Tensor, window: int, softcap: float, alibi_slopes: torch.Tensor | None,
+                  tree_mask: torch.Tensor | None = None) -> None:
+    """Validate the score modifiers (module glossary, "variant") and the tree mask; raises ``ValueError``."""
+    check_tree_mask(q, tree_mask)
     if window < 0:
         raise ValueError(f"window must be >= 0 (0: no sliding window); got {window}")
     if softcap < 0:
@@ -138,6 +141,7 @@ def paged_attention_ref(
     window: int = 0,
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,  # [num_heads] float
+    tree_mask: torch.Tensor | None = None,  # [N, W] int32 (tree_mask.py)
 ) -> torch.Tensor:  # [N, num_heads, head_dim], q.dtype
     """Pure-torch paged attention, computed in float32 (the reference; see ``cpu_kernels.py`` for
     the CPU dispatch).
@@ -159,7 +163,7 @@ def paged_attention_ref(
     torch.Size([3, 2, 32])
     """
     check_attention_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, positions)
-    check_variant(q, window, softcap, alibi_slopes)
+    check_variant(q, window, softcap, alibi_slopes, tree_mask)
 
     def gather(slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # index_select: ~5x faster than advanced indexing
@@ -167,7 +171,7 @@ def paged_attention_ref(
 
     return attend_pages_ref(q, block_tables, seq_lens, query_start_loc, positions, scale,
                             page_size=k_cache.shape[1], kv_heads=k_cache.shape[2], gather=gather,
-                            window=window, softcap=softcap, alibi_slopes=alibi_slopes)
+                            window=window, softcap=softcap, alibi_slopes=alibi_slopes, tree_mask=tree_mask)
 
 
 def attend_pages_ref(
@@ -184,6 +188,7 @@ def attend_pages_ref(
     window: int = 0,
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
+    tree_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [N, num_heads, head_dim], q.dtype
     """The math of :func:`paged_attention_ref` over K/V that ``gather`` fetches by slot.
 
@@ -194,7 +199,8 @@ def attend_pages_ref(
     metadata-only work (slots, masks) is planned once per step (``attention_plan.py``).
     Arguments are assumed validated by the caller.
     """
-    plan = plan_for(block_tables, seq_lens, query_start_loc, positions, page_size, q.shape[1] // kv_heads, window)
+    plan = plan_for(block_tables, seq_lens, query_start_loc, positions, page_size, q.shape[1] // kv_heads, window,
+                    tree_mask)
     return attend(q, plan, gather, kv_heads, scale, softcap, alibi_slopes)
 
 
@@ -210,6 +216,7 @@ def paged_attention_triton(
     window: int = 0,
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
+    tree_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [N, num_heads, head_dim], q.dtype
     """Triton paged attention; same contract as :func:`paged_attention_ref`.
 
@@ -222,12 +229,12 @@ def paged_attention_triton(
     cores; fp32 caches use exact fp32 products (no tf32).
     """
     check_attention_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, positions)
-    check_variant(q, window, softcap, alibi_slopes)
+    check_variant(q, window, softcap, alibi_slopes, tree_mask)
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("k_cache and v_cache must be contiguous")
     _, page_size, kv_heads, _ = k_cache.shape
     return launch_paged_attention(q, k_cache, v_cache, None, None, block_tables, seq_lens, query_start_loc,
-                                  positions, scale, window, softcap, alibi_slopes,
+                                  positions, scale, window, softcap, alibi_slopes, tree_mask,
                                   layout="float", page_size=page_size, kv_heads=kv_heads)
 
 

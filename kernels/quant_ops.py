@@ -81,10 +81,11 @@ def paged_attention_fp8(
     window: int = 0,
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,  # [num_heads] float
+    tree_mask: torch.Tensor | None = None,  # [N, W] int32 ancestor bits (tree_mask.py)
 ) -> torch.Tensor:  # [N, num_heads, head_dim], q.dtype, contiguous
     """Causal paged attention over an fp8 cache, with the score modifiers (see ``quant_paged_attention.py``)."""
     return dispatch("paged_attention_fp8", q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens,
-                    query_start_loc, positions, scale, window, softcap, alibi_slopes)
+                    query_start_loc, positions, scale, window, softcap, alibi_slopes, tree_mask)
 
 
 @torch.library.custom_op("specgraph::paged_attention_int4", mutates_args=())
@@ -102,21 +103,22 @@ def paged_attention_int4(
     window: int = 0,
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,  # [num_heads] float
+    tree_mask: torch.Tensor | None = None,  # [N, W] int32 ancestor bits (tree_mask.py)
 ) -> torch.Tensor:  # [N, num_heads, head_dim], q.dtype, contiguous
     """Causal paged attention over an int4 cache, with the score modifiers (see ``quant_paged_attention.py``)."""
     return dispatch("paged_attention_int4", q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens,
-                    query_start_loc, positions, scale, window, softcap, alibi_slopes)
+                    query_start_loc, positions, scale, window, softcap, alibi_slopes, tree_mask)
 
 
 @paged_attention_fp8.register_fake
 def _paged_attention_fp8_fake(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, query_start_loc,
-                              positions, scale, window=0, softcap=0.0, alibi_slopes=None):
+                              positions, scale, window=0, softcap=0.0, alibi_slopes=None, tree_mask=None):
     return q.new_empty(q.shape)
 
 
 @paged_attention_int4.register_fake
 def _paged_attention_int4_fake(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, query_start_loc,
-                               positions, scale, window=0, softcap=0.0, alibi_slopes=None):
+                               positions, scale, window=0, softcap=0.0, alibi_slopes=None, tree_mask=None):
     return q.new_empty(q.shape)
 
 

@@ -54,6 +54,7 @@ def paged_attention_fp8_ref(
     window: int = 0,
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,  # [num_heads] float
+    tree_mask: torch.Tensor | None = None,  # [N, W] int32 (tree_mask.py)
 ) -> torch.Tensor:  # [N, num_heads, head_dim], q.dtype
     """Pure-torch paged attention over an fp8 cache: ``paged_attention_ref`` on dequantized pages.
 
@@ -78,10 +79,10 @@ def paged_attention_fp8_ref(
         v = dequantize_fp8(_slots(v_cache, slots), _slots(v_scale, slots))
         return k, v
 
-    check_variant(q, window, softcap, alibi_slopes)
+    check_variant(q, window, softcap, alibi_slopes, tree_mask)
     return attend_pages_ref(q, block_tables, seq_lens, query_start_loc, positions, scale,
                             page_size=layout.page_size, kv_heads=layout.kv_heads, gather=gather,
-                            window=window, softcap=softcap, alibi_slopes=alibi_slopes)
+                            window=window, softcap=softcap, alibi_slopes=alibi_slopes, tree_mask=tree_mask)
 
 
 def paged_attention_int4_ref(
@@ -98,6 +99,7 @@ def paged_attention_int4_ref(
     window: int = 0,
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,  # [num_heads] float
+    tree_mask: torch.Tensor | None = None,  # [N, W] int32 (tree_mask.py)
 ) -> torch.Tensor:  # [N, num_heads, head_dim], q.dtype
     """Pure-torch paged attention over an int4 cache: ``paged_attention_ref`` on dequantized pages."""
     layout = _check_args(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, query_start_loc, positions,
@@ -108,14 +110,14 @@ def paged_attention_int4_ref(
         v = dequantize_int4(_slots(v_cache, slots), _slots(v_scale, slots))
         return k, v
 
-    check_variant(q, window, softcap, alibi_slopes)
+    check_variant(q, window, softcap, alibi_slopes, tree_mask)
     return attend_pages_ref(q, block_tables, seq_lens, query_start_loc, positions, scale,
                             page_size=layout.page_size, kv_heads=layout.kv_heads, gather=gather,
-                            window=window, softcap=softcap, alibi_slopes=alibi_slopes)
+                            window=window, softcap=softcap, alibi_slopes=alibi_slopes, tree_mask=tree_mask)
 
 
 def paged_attention_fp8_triton(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, query_start_loc,
-                               positions, scale, window=0, softcap=0.0, alibi_slopes=None) -> torch.Tensor:
+                               positions, scale, window=0, softcap=0.0, alibi_slopes=None, tree_mask=None) -> torch.Tensor:
     """Triton paged attention over an fp8 cache; same contract as :func:`paged_attention_fp8_ref`.
 
     Requirements beyond the ref as for ``paged_attention_triton``: q contiguous in
@@ -123,20 +125,20 @@ def paged_attention_fp8_triton(q, k_cache, v_cache, k_scale, v_scale, block_tabl
     """
     layout = _check_args(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, query_start_loc, positions,
                          fp8_layout)
-    check_variant(q, window, softcap, alibi_slopes)
+    check_variant(q, window, softcap, alibi_slopes, tree_mask)
     return launch_paged_attention(q, k_cache.view(torch.uint8), v_cache.view(torch.uint8), k_scale, v_scale,
                                   block_tables, seq_lens, query_start_loc, positions, scale, window, softcap,
-                                  alibi_slopes, layout="fp8", page_size=layout.page_size, kv_heads=layout.kv_heads)
+                                  alibi_slopes, tree_mask, layout="fp8", page_size=layout.page_size, kv_heads=layout.kv_heads)
 
 
 def paged_attention_int4_triton(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, query_start_loc,
-                               positions, scale, window=0, softcap=0.0, alibi_slopes=None) -> torch.Tensor:
+                               positions, scale, window=0, softcap=0.0, alibi_slopes=None, tree_mask=None) -> torch.Tensor:
     """Triton paged attention over an int4 cache; same contract as :func:`paged_attention_int4_ref`."""
     layout = _check_args(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, query_start_loc, positions,
                          int4_layout)
-    check_variant(q, window, softcap, alibi_slopes)
+    check_variant(q, window, softcap, alibi_slopes, tree_mask)
     return launch_paged_attention(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, query_start_loc,
-                                  positions, scale, window, softcap, alibi_slopes, layout="int4",
+                                  positions, scale, window, softcap, alibi_slopes, tree_mask, layout="int4",
                                   page_size=layout.page_size, kv_heads=layout.kv_heads,
                                   k_group=layout.k_group, v_group=layout.v_group)
 

@@ -113,6 +113,9 @@ def test_attention_layouts_and_variants_are_specializations_of_one_kernel():
         flagged = aot._KERNELS[name][1](next(s for s in specs if s.softcap and s.alibi))
         assert constexpr(flagged, "HAS_SOFTCAP") and constexpr(flagged, "HAS_ALIBI")
         assert flagged.signature["alibi_slopes_ptr"] == "*fp32"
+        tree = aot._KERNELS[name][1](next(s for s in specs if s.tree))  # token trees: one more mask
+        assert constexpr(tree, "HAS_TREE") and tree.signature["tree_mask_ptr"] == "*i32"
+        assert not constexpr(plain, "HAS_TREE") and constexpr(plain, "tree_mask_ptr") is None
 
 
 def test_quant_linear_specializations_cover_the_launch_matrix():
