@@ -20,13 +20,14 @@ to one (``AttentionMetadata.padded``), so steady-state generation never recompil
 
 :meth:`StepGraphs.warm_up` compiles them all when the engine is built; ``compiles`` counts every
 Inductor compile, so a compile after warm-up shows as a recompile in ``engine.stats``. Compiled
-code is cached on disk by Inductor's FX graph cache (``$TORCHINDUCTOR_CACHE_DIR``, by default
-``~/.cache/specgraph/inductor``), so a second process on the same machine skips code generation
-(it still traces the graph and freezes the weights).
+code is cached on disk by Inductor's FX graph cache (``$TORCHINDUCTOR_CACHE_DIR``, by default a folder
+per version of the C++ kernels under ``~/.cache/specgraph/inductor``), so a second process on the same
+machine skips code generation (it still traces the graph and freezes the weights).
 """
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import re
@@ -50,7 +51,13 @@ _CACHE_DIR_ENV = "TORCHINDUCTOR_CACHE_DIR"
 
 
 def default_cache_dir() -> str:
-    return os.path.join(os.path.expanduser("~"), ".cache", "specgraph", "inductor")
+    """One folder per version of the C++ kernels: generated code calls their native ops by schema, and
+    Inductor's cache key does not cover an extension's schemas (code compiled against an older schema
+    would call the new one with the old arguments)."""
+    from ..kernels import cpu_kernels
+
+    digest = hashlib.blake2b(cpu_kernels.CPP_SOURCE.encode(), digest_size=6).hexdigest()
+    return os.path.join(os.path.expanduser("~"), ".cache", "specgraph", "inductor", f"kernels-{digest}")
 
 
 @contextlib.contextmanager
@@ -403,7 +410,8 @@ def _symbolic_inputs(inputs: list, roles: list[Role], dynamic: bool = True):
         if not isinstance(value, torch.Tensor):
             examples.append(value)
             continue
-        symbolic = range(value.dim()) if role in _STREAM_ROLES else (1,) if role == Role.TOKENS else ()
+        symbolic = (range(value.dim()) if role in _STREAM_ROLES else (1,) if role == Role.TOKENS
+                    else (0,) if role == Role.TREE_MASK else ())
         sizes = [DimDynamic.DYNAMIC if dynamic and d in symbolic else DimDynamic.STATIC for d in range(value.dim())]
         examples.append(fake_mode.from_tensor(value, symbolic_context=StatelessSymbolicContext(dynamic_sizes=sizes)))
     return fake_mode, examples

@@ -13,6 +13,7 @@ from typing import Any, Callable, Sequence
 KV_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8", "int4")
 WEIGHT_DTYPES = ("auto", "float32", "bfloat16", "int8", "fp8", "int4")
 PAGE_SIZES = (8, 16, 32)
+MAX_TREE_NODES = 128  # nodes of one sequence's token tree in a step (4 mask words)
 CHECK_MODES = ("off", "numeric")
 DUMP_ENV_VAR = "SPECGRAPH_DUMP_DIR"
 LOWERINGS = ("inductor", "eager", "triton-interpret")
@@ -64,6 +65,10 @@ class BackendOptions:
         graph op by op: the reference the others are tested against) or ``"triton-interpret"``
         (Inductor's Triton code for CPU tensors, run by the Triton interpreter: slow, for CI).
         Defaults to ``$SPECGRAPH_LOWERING`` when set, else ``"inductor"``.
+    tree_nodes:
+        The largest token tree (new tokens per sequence) a step may verify in one forward; ``0``
+        (default): no trees, and no ``tree_mask`` pass. The program then takes a ``tree_mask``
+        input (``kernels/tree_mask.py``) sized for it.
     prepack_weights:
         On CPU, run float32 linears as oneDNN linears over weights reordered once at compile
         time (faster few-row GEMMs; one extra copy of those weights). ``False`` keeps
@@ -81,8 +86,11 @@ class BackendOptions:
     prepack_weights: bool = True
     self_check: bool = True
     lowering: str | None = None
+    tree_nodes: int = 0
 
     def __post_init__(self) -> None:
+        if not isinstance(self.tree_nodes, int) or not 0 <= self.tree_nodes <= MAX_TREE_NODES:
+            raise ValueError(f"tree_nodes must be an int in 0..{MAX_TREE_NODES}; got {self.tree_nodes!r}")
         if self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype={self.kv_dtype!r} is not supported; valid: {', '.join(KV_DTYPES)}")
         if self.weight_dtype not in WEIGHT_DTYPES:

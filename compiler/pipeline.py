@@ -9,6 +9,7 @@ Phase 2 (decoder programs): turn the cache-free graph into an incremental, paged
     paging      the cache is addressed through block tables and slot mappings
     rotate_kv   (kv_dtype fp8/int4) attention in a Hadamard-rotated basis, spreading K's outlier channels
     kv_quant    (kv_dtype fp8/int4) quantize on write, dequantize inside attention
+    tree_mask   (tree_nodes > 0) attention takes the step's token-tree mask
     cleanup     dead mask construction and aranges removed
     select_logits  the LM head runs only on the rows whose logits are needed
     fuse_linears   linears reading one input (q/k/v, gate/up) become one linear over stacked weights
@@ -40,10 +41,11 @@ def decoder_passes() -> list[GraphPass]:
     from ..passes.quantize_weights import quantize_weights
     from ..passes.rotate_kv import rotate_kv
     from ..passes.select_logits import select_logits
+    from ..passes.tree_mask import tree_mask
 
     return CAPTURE_PASSES + [GraphPass(positions, "positions"), GraphPass(kv_cache, "kv_cache"),
                              GraphPass(paging, "paging"), GraphPass(rotate_kv, "rotate_kv"),
-                             GraphPass(kv_quant, "kv_quant", check_atol=0.25),
+                             GraphPass(kv_quant, "kv_quant", check_atol=0.25), GraphPass(tree_mask, "tree_mask"),
                              GraphPass(cleanup, "cleanup"),
                              GraphPass(select_logits, "select_logits"), GraphPass(fuse_linears, "fuse_linears"),
                              GraphPass(quantize_weights, "quantize_weights")]

@@ -25,6 +25,7 @@ from .lowering import lower
 from .options import BackendOptions
 from .pipeline import decoder_passes
 from .signature import CACHE_PARTS, Role, SignatureError
+from ..kernels.tree_mask import ancestor_mask, causal_rows, depths, mask_words
 
 
 @dataclass
@@ -35,7 +36,8 @@ class AttentionMetadata:
     each token), ``block_tables [S, max_blocks]`` int32, ``seq_lens [S]`` int32 (tokens in the
     cache after this step), ``query_start_loc [S + 1]`` int32 (sequence s owns stream tokens
     ``query_start_loc[s]:query_start_loc[s + 1]``), ``logits_indices [M]`` int64 (stream rows whose
-    logits are returned).
+    logits are returned), ``tree_mask [N, W]`` int32 (each token's ancestor bits when the step
+    verifies token trees, ``kernels/tree_mask.py``; None: every row all ones).
     """
 
     positions: torch.Tensor
@@ -44,17 +46,33 @@ class AttentionMetadata:
     seq_lens: torch.Tensor
     query_start_loc: torch.Tensor
     logits_indices: torch.Tensor
+    tree_mask: torch.Tensor | None = None
 
     @staticmethod
-    def build(seqs: list[tuple[list[int], int, list[int]]], page_size: int, logits: list[list[int]]) -> "AttentionMetadata":
+    def build(seqs: list[tuple[list[int], int, list[int]]], page_size: int, logits: list[list[int]],
+              trees: dict[int, list[int]] | None = None, tree_words: int = 0) -> "AttentionMetadata":
         """From per-sequence ``(block_table, start_position, num_new_tokens)`` tuples.
 
         ``logits[s]`` lists the offsets (within sequence s's new tokens) that need logits. The host
         work is per sequence and per page touched, never per token (ranges extend in C).
+        ``trees[s]``: the parents of sequence s's new tokens when they form a token tree (node ``m``
+        at cache index ``start + m``, position ``start + depth``); ``tree_words``: the program's mask
+        words (0: no mask; any other sequence's rows are all ones).
         """
-        positions, slots, qsl, lens, rows = [], [], [0], [], []
-        for (table, start, n), want in zip(seqs, logits):
-            positions.extend(range(start, start + n))
+        trees = trees or {}
+        if trees and not tree_words:
+            raise ValueError("token trees need a program compiled with tree_nodes > 0")
+        positions, slots, qsl, lens, rows, masks = [], [], [0], [], [], []
+        for s, ((table, start, n), want) in enumerate(zip(seqs, logits)):
+            if s in trees:
+                if len(trees[s]) != n:
+                    raise ValueError(f"sequence {s}: a tree of {len(trees[s])} nodes for {n} new tokens")
+                positions.extend(start + d for d in depths(trees[s]))
+                masks.append(ancestor_mask(trees[s], tree_words))
+            else:
+                positions.extend(range(start, start + n))
+                if tree_words:
+                    masks.append(causal_rows(n, tree_words))
             for page in range(start // page_size, (start + n + page_size - 1) // page_size):
                 lo, hi = max(start, page * page_size), min(start + n, (page + 1) * page_size)
                 base = table[page] * page_size - page * page_size
@@ -68,10 +86,12 @@ class AttentionMetadata:
         return AttentionMetadata(
             positions=torch.tensor(positions, dtype=torch.int64), slot_mapping=torch.tensor(slots, dtype=torch.int64),
             block_tables=tables, seq_lens=torch.tensor(lens, dtype=torch.int32),
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32), logits_indices=torch.tensor(rows, dtype=torch.int64))
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32), logits_indices=torch.tensor(rows, dtype=torch.int64),
+            tree_mask=torch.cat(masks) if masks else None)
 
     def to(self, device) -> "AttentionMetadata":
-        return AttentionMetadata(*(getattr(self, f.name).to(device) for f in dataclasses.fields(self)))
+        return AttentionMetadata(*(None if getattr(self, f.name) is None else getattr(self, f.name).to(device)
+                                   for f in dataclasses.fields(self)))
 
     @property
     def shape(self) -> "StepShape":
@@ -107,7 +127,9 @@ class AttentionMetadata:
             block_tables=tables, seq_lens=grow(self.seq_lens, shape.num_seqs, 0),
             # the first padding sequence owns every padding token; the others are empty
             query_start_loc=grow(self.query_start_loc, shape.num_seqs + 1, shape.num_tokens),
-            logits_indices=grow(self.logits_indices, shape.num_logits, 0))
+            logits_indices=grow(self.logits_indices, shape.num_logits, 0),
+            tree_mask=None if self.tree_mask is None else torch.cat(
+                [self.tree_mask, self.tree_mask.new_full((shape.num_tokens - n, self.tree_mask.shape[1]), -1)]))
 
 
 class StepShape(NamedTuple):
@@ -124,7 +146,7 @@ COMPILE_THREAD = "specgraph-compile"  # the thread of a background compile_steps
 
 # the inputs a program feeds on every call (CACHE_ROWS must be gone: paging replaces it)
 RUNTIME_ROLES = {Role.TOKENS, Role.LENGTH, Role.STATIC, Role.POSITIONS, Role.SLOTS, Role.BLOCK_TABLES, Role.SEQ_LENS,
-                 Role.QUERY_START, Role.LOGITS_INDICES, Role.CACHE}
+                 Role.QUERY_START, Role.LOGITS_INDICES, Role.TREE_MASK, Role.CACHE}
 
 
 @dataclass
@@ -188,6 +210,13 @@ class DecoderProgram:
         by_role = {Role.TOKENS: input_ids.view(1, n), Role.LENGTH: n, Role.POSITIONS: meta.positions,
                    Role.SLOTS: meta.slot_mapping, Role.BLOCK_TABLES: meta.block_tables, Role.SEQ_LENS: meta.seq_lens,
                    Role.QUERY_START: meta.query_start_loc, Role.LOGITS_INDICES: meta.logits_indices}
+        if self.tree_words:
+            mask = meta.tree_mask
+            if mask is None:
+                mask = causal_rows(n, self.tree_words).to(meta.positions.device)
+            elif mask.shape != (n, self.tree_words):
+                raise ValueError(f"tree_mask must be [{n}, {self.tree_words}]; got {tuple(mask.shape)}")
+            by_role[Role.TREE_MASK] = mask
         return [spec.value if spec.role == Role.STATIC
                 else kv_cache[spec.layer][CACHE_PARTS.index(spec.part)] if spec.role == Role.CACHE
                 else by_role[spec.role] for spec in self._inputs]
@@ -302,6 +331,16 @@ class DecoderProgram:
     @property
     def lowering(self) -> str:
         return self.compiled.context.options.lowering
+
+    @property
+    def tree_words(self) -> int:
+        """Words of the program's ``tree_mask`` input (0: compiled without trees)."""
+        nodes = self.compiled.context.options.tree_nodes
+        return mask_words(nodes) if nodes else 0
+
+    @property
+    def max_tree_nodes(self) -> int:
+        return self.compiled.context.options.tree_nodes
 
     @property
     def device(self) -> torch.device:

@@ -26,6 +26,7 @@ class Role(str, Enum):
     QUERY_START = "query_start_loc"  # [S + 1] where each sequence's tokens start in the stream
     CACHE_ROWS = "cache_rows"  # [S] a contiguous cache's row per sequence (paging replaces it)
     LOGITS_INDICES = "logits_indices"  # [M] stream rows whose logits are wanted
+    TREE_MASK = "tree_mask"  # [N, W] int32 each token's ancestor bits in its step's token tree
     CACHE = "cache"  # one layer's cache tensor: part "k", "v", "k_scale" or "v_scale"
 
 
