@@ -75,7 +75,8 @@ def _engine(args, model, tokenizer):
     kwargs = dict(kv_dtype=args.kv_dtype, weight_dtype=args.weight_dtype, page_size=args.page_size, prefix_caching=args.prefix_caching,
                   weight_calibration=None if args.weight_calibration == "none" else "builtin",
                   max_num_seqs=args.max_num_seqs, dump_dir=getattr(args, "dump_dir", None), draft=args.draft,
-                  num_draft_tokens=args.num_draft_tokens, adaptive=args.adaptive if args.draft else None,
+                  num_draft_tokens=args.num_draft_tokens, draft_tree=args.draft_tree,
+                  adaptive=(args.adaptive and not args.draft_tree) if args.draft else None,
                   lowering=args.lowering,
                   compile_in_background=True)  # answer at once on the eager lowering, switch when compiled
     if args.num_blocks:
@@ -207,6 +208,8 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", default=None, help="speculative decoding: ngram, ngram:N or layer_skip:K")
     p.add_argument("--num-draft-tokens", type=_positive, default=4,
                    help="drafts per step: the most, chosen per step by measured acceptance and cost (see --no-adaptive)")
+    p.add_argument("--draft-tree", default=None, metavar="SHAPE",
+                   help="draft token trees, verified in one forward: static:W1,W2,... or dynamic:N (no controller)")
     p.add_argument("--no-adaptive", dest="adaptive", action="store_false",
                    help="draft --num-draft-tokens every step instead of letting the controller choose")
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false")

@@ -25,6 +25,9 @@ from ..compiler.program import AttentionMetadata, DecoderProgram
 from .controller import SpeculationController, cost_sizes, measure_forward_cost
 from .kv_manager import KVCacheManager
 from .proposers.base import Draft, DraftRequest
+from .rejection import verify_greedy, verify_sampling
+from .sampling import SamplingParams, probabilities
+from .token_tree import TreeShape, verify_tree_greedy, verify_tree_sampling
 from .scheduler import Request, ScheduledChunk
 
 
@@ -54,6 +57,22 @@ def measure_target_cost(program: DecoderProgram, kv: KVCacheManager, kv_cache, p
         kv.free(sequence_id)
 
 
+def verify_draft(draft: Draft, logits: torch.Tensor, params: SamplingParams,
+                 generator: torch.Generator | None) -> tuple[list[int], list[int]]:
+    """Accepted drafts + one target token (lossless: greedy match, or rejection sampling for a chain and
+    recursive rejection over siblings for a tree), and the verify-step nodes of the accepted drafts
+    (``1..a`` for a chain; a root path for a tree). ``logits [1 + len(draft), V]``: row ``m`` after node ``m``."""
+    if draft.parents is not None:
+        if params.greedy:
+            return verify_tree_greedy(draft.token_ids, draft.parents, logits)
+        return verify_tree_sampling(draft.token_ids, draft.parents, probabilities(logits, params), generator)
+    if params.greedy:
+        tokens = verify_greedy(draft.token_ids, logits)
+    else:
+        tokens = verify_sampling(draft.token_ids, draft.probs, probabilities(logits, params), generator)
+    return tokens, list(range(1, len(tokens)))
+
+
 class Speculation:
     """Draft lengths and drafts for each step (see module docstring).
 
@@ -62,12 +81,23 @@ class Speculation:
     built on the first step where it can be."""
 
     def __init__(self, proposer, num_draft_tokens: int, adaptive: bool, kv: KVCacheManager,
-                 copy_blocks: Callable[[list[tuple[int, int]]], None], measure_cost: Callable[[], object]):
+                 copy_blocks: Callable[[list[tuple[int, int]]], None], measure_cost: Callable[[], object],
+                 tree: TreeShape | None = None):
         self.proposer = proposer
         self.num_draft_tokens = num_draft_tokens
         self.adaptive = adaptive
         self.controller: SpeculationController | None = None
         self._kv, self._copy_blocks, self._measure_cost = kv, copy_blocks, measure_cost
+        self.tree: TreeShape | None = None
+        self.set_tree(tree)
+
+    def set_tree(self, tree: TreeShape | None) -> None:
+        """Draft token trees of this shape (None: chains). The controller does not size trees: adaptive is off."""
+        if tree is not None and (self.adaptive or not callable(getattr(self.proposer, "propose_tree", None))):
+            raise ValueError(f"draft_tree={str(tree)!r} needs adaptive=False and a proposer that drafts trees "
+                             f"(ngram, a draft model, layer_skip); {getattr(self.proposer, 'name', self.proposer)!r} "
+                             f"with adaptive={self.adaptive}")
+        self.tree = tree
 
     def ready_controller(self) -> SpeculationController | None:
         """The controller, built once the target's cost can be measured."""
@@ -79,6 +109,8 @@ class Speculation:
 
     def draft(self, chunks: list[ScheduledChunk]) -> dict[int, Draft]:
         """Drafts for the decoding sequences of ``chunks`` by request id; their extra slots are allocated."""
+        if self.tree is not None:
+            return self._draft_trees([c.request for c in chunks if is_decode(c)])
         decodes = [c.request for c in chunks if is_decode(c)]
         caps = [min(self.num_draft_tokens if r.num_draft_tokens is None else min(r.num_draft_tokens,
                                                                                  self.num_draft_tokens),
@@ -122,6 +154,31 @@ class Speculation:
             if len(d.token_ids) < w.k:  # give back the slots of drafts not verified
                 self._kv.truncate(w.request_id, self._kv.num_tokens(w.request_id) - (w.k - len(d.token_ids)))
         return {i: d for i, d in drafts.items() if d.token_ids}
+
+    def _draft_trees(self, decodes: list[Request]) -> dict[int, Draft]:
+        """Token trees: slots for the largest tree the shape may write are allocated, drafting writes (scratch
+        slots past the sequence's committed ones), and the slots past the drafted tree are given back."""
+        scratch = self.tree.scratch_nodes
+        wanted = []
+        for r in decodes:
+            depth = min(self.tree.depth, r.max_new_tokens - len(r.output_ids) - 1)
+            if r.num_draft_tokens is not None:  # the request's own cap bounds the tree's depth
+                depth = min(depth, r.num_draft_tokens)
+            if depth <= 0:
+                continue
+            copies = self._kv.allocate(r.request_id, scratch)
+            if copies is None:
+                continue  # pool short: plain decode this step
+            self._copy_blocks(copies)
+            wanted.append(DraftRequest(r.request_id, r.all_ids, len(r.prompt_ids), depth, r.params, r.generator))
+        if not wanted:
+            return {}
+        drafts = {}
+        for w, d in zip(wanted, self.proposer.propose_tree(wanted, self.tree)):
+            self._kv.truncate(w.request_id, self._kv.num_tokens(w.request_id) - (scratch - len(d.token_ids)))
+            if d.token_ids:
+                drafts[w.request_id] = d
+        return drafts
 
     def observe_decode(self, r: Request, drafted: int, accepted: int) -> None:
         """A decode forward of ``r`` verified ``drafted`` drafts and accepted ``accepted``."""

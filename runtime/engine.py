@@ -12,15 +12,15 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ..compiler.options import BackendOptions
+from ..compiler.options import MAX_TREE_NODES, BackendOptions
 from ..compiler.program import AttentionMetadata, DecoderProgram, compile_decoder
 from .controller import SpeculationController
-from .drafting import Speculation, is_decode, measure_target_cost
+from .drafting import Speculation, is_decode, measure_target_cost, verify_draft
 from .kv_manager import KVCacheManager
 from .proposers.base import Draft
-from .rejection import verify_greedy, verify_sampling
-from .sampling import SamplingParams, probabilities, sample, token_logprobs
+from .sampling import SamplingParams, sample, token_logprobs
 from .scheduler import Request, Scheduler
+from .token_tree import keep_path, parse_tree
 
 
 @dataclass
@@ -83,6 +83,10 @@ class Engine:
         ``nn.Module`` with the same vocabulary, or any object implementing
         :class:`~specgraph.runtime.proposers.Proposer`; None disables speculation.
     num_draft_tokens: k, the drafts verified per target forward (with ``adaptive``, the most).
+    draft_tree: draft token trees instead of chains, verified in one forward each
+        (``runtime/token_tree.py``): ``"static:W1,W2,..."`` (the draft's top-``W1`` at depth 1, top-``W2``
+        under each at depth 2, ...) or ``"dynamic:N"`` (the ``N`` most confident nodes, EAGLE-2);
+        ``num_draft_tokens`` is then ignored, and ``adaptive`` must be off (its default with a tree).
     adaptive: let a controller choose each step's draft length per sequence (0 to
         ``num_draft_tokens``) from measured acceptance and cost (``runtime/controller.py``); the
         default when a draft is given. ``adaptive=False`` drafts ``num_draft_tokens`` every step.
@@ -106,13 +110,19 @@ class Engine:
                  page_size: int = 16, prefix_caching: bool = True, kv_cache_memory: int = 256 << 20, num_blocks: int | None = None,
                  max_num_seqs: int = 8, max_tokens_per_step: int = 512, passes: Sequence = (),
                  dump_dir: str | None = None, draft=None, num_draft_tokens: int = 4, adaptive: bool | None = None,
+                 draft_tree: str | None = None,
                  draft_weight_dtype: str | None = None, self_check: bool = True,
                  lowering: str | None = None, progress: Callable[[str], None] | None = None,
                  compile_in_background: bool = False):
         self.model, self.tokenizer = model, tokenizer
         calibration = _calibration_ids(weight_calibration, weight_dtype, tokenizer)
+        tree = None
+        if draft_tree is not None:
+            if draft is None:
+                raise ValueError(f"draft_tree={draft_tree!r} is given without a draft")
+            tree = parse_tree(draft_tree, MAX_TREE_NODES - 1)
         options = BackendOptions(kv_dtype=kv_dtype, weight_dtype=weight_dtype, weight_calibration=calibration,
-                                 page_size=page_size,
+                                 page_size=page_size, tree_nodes=0 if tree is None else 1 + tree.scratch_nodes,
                                  passes=tuple(passes), dump_dir=dump_dir, self_check=self_check, lowering=lowering)
         t0 = time.perf_counter()
         self.program: DecoderProgram = compile_decoder(model, options, progress=progress)
@@ -149,7 +159,8 @@ class Engine:
         if adaptive and proposer is None:
             raise ValueError("adaptive=True chooses draft lengths: it needs a draft (e.g. draft='ngram')")
         self.speculation = None if proposer is None else Speculation(
-            proposer, num_draft_tokens, adaptive is not False, self.kv, self._copy_blocks, self._measure_target_cost)
+            proposer, num_draft_tokens, bool(adaptive) if tree is not None else adaptive is not False, self.kv,
+            self._copy_blocks, self._measure_target_cost, tree)
         self._num_draft_tokens = num_draft_tokens  # (kept when there is no draft, for the stats)
         if self.adaptive and not compile_in_background:
             self.speculation.ready_controller()  # an empty pool always has room
@@ -291,7 +302,8 @@ class Engine:
         ``speculated_fraction`` the share of decode forwards that verified drafts; ``requests``
         the last ``generate`` call's per-request decisions (decode steps, speculated steps, draft
         lengths chosen); ``forward_cost_s`` the controller's measured seconds per target forward
-        by stream size.
+        by stream size; ``mean_accepted_path`` the drafts kept per verify forward (a tree's accepted
+        root path) and ``tree_nodes_verified`` the tree nodes verified.
         """
         s = dict(self._stats)
         s["prefix_cache_hit_rate"] = self.kv.prefix_cache_hit_rate
@@ -309,6 +321,8 @@ class Engine:
             s["acceptance_rate"] = s["accepted_tokens"] / s["draft_tokens"] if s["draft_tokens"] else 0.0
             s["mean_accepted_tokens"] = s["decode_emitted"] / s["decode_forwards"] if s["decode_forwards"] else 0.0
             s["speculated_fraction"] = s["verify_steps"] / s["decode_forwards"] if s["decode_forwards"] else 0.0
+            s["mean_accepted_path"] = s["accepted_tokens"] / s["verify_steps"] if s["verify_steps"] else 0.0
+            s["draft_tree"] = None if self.speculation.tree is None else str(self.speculation.tree)
             if self.controller is not None:
                 s["forward_cost_s"] = self.controller.forward_cost.as_dict()
         return s
@@ -317,6 +331,7 @@ class Engine:
         self._stats = dict(tokens_per_second=0.0, generated_tokens=0, prompt_tokens=0, cached_prompt_tokens=0,
                            target_forwards=0, kv_pool_peak_usage=0.0, time_to_first_token_s=0.0, elapsed_s=0.0,
                            draft_tokens=0, accepted_tokens=0, verify_steps=0, verify_emitted=0, decode_forwards=0,
+                           tree_nodes_verified=0,
                            decode_emitted=0, forward_s=0.0, host_s=0.0, requests=[])
         self._counter_base = self._counters()
 
@@ -387,6 +402,8 @@ class Engine:
         if value and self.speculation is None:
             raise ValueError("adaptive=True chooses draft lengths: it needs a draft (e.g. draft='ngram')")
         if self.speculation is not None:
+            if value and self.speculation.tree is not None:
+                raise ValueError("adaptive=True needs chains: the controller does not size trees (draft_tree=None)")
             self.speculation.adaptive = bool(value)
 
     @property
@@ -401,6 +418,19 @@ class Engine:
         self._num_draft_tokens = k
         if self.speculation is not None:
             self.speculation.num_draft_tokens = k
+
+    @property
+    def draft_tree(self) -> str | None:
+        """The token-tree shape drafts take (None: chains of ``num_draft_tokens``)."""
+        tree = self.speculation.tree if self.speculation is not None else None
+        return None if tree is None else str(tree)
+
+    @draft_tree.setter
+    def draft_tree(self, spec: str | None) -> None:
+        """Another tree shape (or None: chains), within the nodes the program was compiled for."""
+        if self.speculation is None or not self.program.max_tree_nodes:
+            raise ValueError("draft_tree can change only on an engine built with a draft and a draft_tree")
+        self.speculation.set_tree(None if spec is None else parse_tree(spec, self.program.max_tree_nodes - 1))
 
     def _measure_target_cost(self):
         """The target's cost by stream size for the controller, once the step graphs it must
@@ -438,14 +468,17 @@ class Engine:
         self._copy_blocks(copies)
         drafts = self.speculation.draft(chunks) if self.speculation is not None else {}
         ids: list[int] = []
-        seqs, want = [], []
+        seqs, want, trees = [], [], {}
         for c in chunks:
-            extra = drafts[c.request.request_id].token_ids if c.request.request_id in drafts else []
+            draft = drafts.get(c.request.request_id)
+            extra = draft.token_ids if draft is not None else []
             ids += c.request.all_ids[c.start:c.start + c.num_tokens] + extra
             n = c.num_tokens + len(extra)
+            if draft is not None and draft.parents is not None:  # step node 0: the fed token, the root
+                trees[len(seqs)] = [-1] + [p + 1 for p in draft.parents]
             seqs.append((self.kv.block_table(c.request.request_id), c.start, n))
             want.append(list(range(n)) if extra else [n - 1] if c.wants_logits else [])
-        meta = AttentionMetadata.build(seqs, self.page_size, want)
+        meta = AttentionMetadata.build(seqs, self.page_size, want, trees, self.program.tree_words)
         t_forward = time.perf_counter()
         logits = self.program(torch.tensor(ids, dtype=torch.long), meta, self.kv_cache)
         if logits.device.type != "cpu":  # sampling and verification decide on the host
@@ -464,7 +497,10 @@ class Engine:
             token_logits = logits[row:row + len(rows)]  # row i: the distribution of new token i
             drafted = len(drafts[rid].token_ids) if rid in drafts else 0
             if rows and drafted:
-                new_tokens = self._verify(r, drafts[rid], token_logits)
+                new_tokens, path = self._verify(r, drafts[rid], token_logits)
+                if path != list(range(1, len(path) + 1)):  # tree nodes off the chain's cache indices
+                    keep_path(self.kv_cache, self.kv.slot_mapping(rid, c.start, max(path) + 1), path)
+                token_logits = token_logits[[0] + path]  # row i: the distribution of new token i
                 # cached now: the last token + the accepted drafts (the final token is not yet fed)
                 r.num_computed = c.start + len(new_tokens)
                 self.kv.truncate(rid, r.num_computed)
@@ -494,18 +530,18 @@ class Engine:
         self._stats["host_s"] += (t_forward - t_start) + (time.perf_counter() - t_back)
         return finished
 
-    def _verify(self, r: Request, draft: Draft, logits: torch.Tensor) -> list[int]:
-        """Accepted drafts + one target token (lossless: greedy match or rejection sampling)."""
-        if r.params.greedy:
-            tokens = verify_greedy(draft.token_ids, logits)
-        else:
-            tokens = verify_sampling(draft.token_ids, draft.probs, probabilities(logits, r.params), r.generator)
+    def _verify(self, r: Request, draft: Draft, logits: torch.Tensor) -> tuple[list[int], list[int]]:
+        """Accepted drafts + one target token (lossless: greedy match or rejection sampling), and the step
+        nodes of the accepted drafts (1..a for a chain; a root path for a tree)."""
+        tokens, path = verify_draft(draft, logits, r.params, r.generator)
         s = self._stats
+        if draft.parents is not None:
+            s["tree_nodes_verified"] += len(draft.token_ids)
         s["draft_tokens"] += len(draft.token_ids)
         s["accepted_tokens"] += len(tokens) - 1
         s["verify_steps"] += 1
         s["verify_emitted"] += len(tokens)
-        return tokens
+        return tokens, path
 
     def _account_decode(self, r: Request, drafted: int, accepted: int, emitted: int) -> None:
         r.decode_steps += 1

@@ -146,6 +146,19 @@ def test_inductor_engine_with_other_caches_equals_the_eager_engine(kv_dtype):
     assert out["inductor"] == out["eager"]
 
 
+@pytest.mark.parametrize("lowering", ["inductor", "triton-interpret"])
+def test_generated_code_verifies_token_trees(lowering):
+    """A tree program's step graphs take the tree mask (the C++ kernel through its native op on CPU; the
+    Triton kernel in the interpreter): tree speculation's greedy tokens equal plain greedy decoding."""
+    model = make_family("llama")
+    prompts = [p + p for p in random_prompts("llama", [7, 12], seed=6)]
+    engine = specgraph.Engine(model, lowering=lowering, draft="ngram", draft_tree="static:2,2", page_size=8,
+                              num_blocks=32, self_check=False)
+    out = engine.generate(prompts, max_new_tokens=6, ignore_eos=True)
+    assert [r.token_ids for r in out] == [uncached_greedy(model, p, 6) for p in prompts]
+    assert engine.stats["tree_nodes_verified"] > 0 and engine.stats["recompiles"] == 0
+
+
 @pytest.mark.parametrize("linears", ["inductor", "gemv", {1: "inductor", 4: "gemv"}], ids=["inductor", "gemv", "mixed"])
 def test_static_buckets_and_the_dynamic_graph_equal_the_eager_program(linears):
     """Steps of 1 token (bucket 1), 3 tokens (padded to bucket 4) and 9 tokens (dynamic graph), over two

@@ -61,12 +61,18 @@ class Draft:
     token_ids: list[int]  # 0..k drafted tokens
     # [len(token_ids), V] float32: q per drafted token; None = deterministic (one-hot) proposal
     probs: torch.Tensor | None = None
+    # a token tree: parents[i] < i is the draft node token i follows, -1 the last committed token
+    # (runtime/token_tree.py); None: a chain. Trees are verified as deterministic candidates (no probs).
+    parents: list[int] | None = None
 
     def __post_init__(self) -> None:
         if self.probs is not None:
             assert self.probs.ndim == 2 and self.probs.shape[0] == len(self.token_ids), (
                 f"Draft.probs must be [{len(self.token_ids)}, V]; got {tuple(self.probs.shape)}"
             )
+        if self.parents is not None:
+            assert self.probs is None and len(self.parents) == len(self.token_ids), "a tree draft has one parent per token"
+            assert all(-1 <= p < i for i, p in enumerate(self.parents)), "tree parents must precede their children"
 
 
 @runtime_checkable
@@ -83,6 +89,9 @@ class Proposer(Protocol):
     # see ``runtime/controller.py``). Without it, every draft asked for has its cache slots.
 
     def propose(self, requests: list[DraftRequest]) -> list[Draft]: ...
+
+    # Optional ``propose_tree(requests, shape) -> list[Draft]`` (``shape``: a token_tree.TreeShape; each
+    # Draft with ``parents``): the proposer drafts token trees, for ``Engine(draft_tree=...)``.
 
     def on_verified(self, request_id: int, num_committed: int) -> None:
         """``num_committed`` tokens were appended to the sequence after verification."""
@@ -118,7 +127,7 @@ class DraftContext:
 
         t = self.program.compiled.context.options
         return BackendOptions(page_size=self.page_size, lowering=self.program.lowering, kv_dtype=t.kv_dtype,
-                              weight_dtype=weight_dtype or t.weight_dtype,
+                              tree_nodes=t.tree_nodes, weight_dtype=weight_dtype or t.weight_dtype,
                               weight_calibration=t.weight_calibration if self.calibration is None else self.calibration)
 
     def refuse_own_weight_dtype(self, draft: str, why: str) -> None:

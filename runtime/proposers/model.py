@@ -23,6 +23,7 @@ import torch
 from ...compiler.program import AttentionMetadata, DecoderProgram
 from ..kv_manager import KVCacheManager
 from ..sampling import probabilities
+from ..token_tree import TreeBuilder
 from .base import Draft, DraftContext, DraftRequest
 
 
@@ -76,6 +77,48 @@ class ModelProposer:
             out.append(Draft(token_ids=drafts[r.request_id], probs=probs))
         return out
 
+    def propose_tree(self, requests: list[DraftRequest], shape) -> list[Draft]:
+        """Token trees, one drafter forward per level batched over the requests (``token_tree.TreeBuilder``:
+        candidates are the drafter's most probable tokens, best first, so the tree holds the greedy
+        chain). Level 1 feeds what the drafter has not seen up to the last committed token, as a chain
+        draft's first step; each later level feeds the whole tree so far as one tree step (its nodes at the
+        cache indices the target's verify gives them), for the logits of the newest level."""
+        builders = {r.request_id: TreeBuilder(shape, max_depth=r.k) for r in requests}
+        live = [r for r in requests if not builders[r.request_id].done]
+        if live:
+            feed = {r.request_id: r.token_ids[min(self._fed.get(r.request_id, self._first_fed(r)),
+                                                  len(r.token_ids) - 1):] for r in live}
+            seqs = [(self.kv.block_table(r.request_id), len(r.token_ids) - len(feed[r.request_id]),
+                     len(feed[r.request_id])) for r in live]
+            logits = self._forward([t for r in live for t in feed[r.request_id]], seqs,
+                                   [[len(feed[r.request_id]) - 1] for r in live])
+            rows = iter(logits)
+            for r in live:
+                self._fed[r.request_id] = len(r.token_ids)  # tree nodes past it are scratch, never committed
+                builders[r.request_id].add_level([_candidates(next(rows), builders[r.request_id])])
+        while live := [r for r in live if not builders[r.request_id].done]:
+            ids, seqs, want, trees = [], [], [], {}
+            for s, r in enumerate(live):
+                b = builders[r.request_id]
+                ids += b.tokens
+                seqs.append((self.kv.block_table(r.request_id), len(r.token_ids), len(b.tokens)))
+                want.append(list(b.frontier))
+                trees[s] = b.parents
+            rows = iter(self._forward(ids, seqs, want, trees))
+            for r in live:
+                b = builders[r.request_id]
+                b.add_level([_candidates(next(rows), b) for _ in b.frontier])
+        out = []
+        for r in requests:
+            tokens, parents = builders[r.request_id].result()
+            out.append(Draft(tokens, parents=parents))
+        return out
+
+    def _forward(self, ids: list[int], seqs, want, trees=None) -> torch.Tensor:
+        meta = AttentionMetadata.build(seqs, self.page_size, want, trees, tree_words=self.program.tree_words)
+        with torch.no_grad():
+            return self.program(torch.tensor(ids, dtype=torch.long), meta, self.kv_cache)
+
     def _first_fed(self, r: DraftRequest) -> int:
         return len(r.token_ids) - 1 if self.shares_target_cache else 0
 
@@ -87,6 +130,13 @@ class ModelProposer:
 
     def release(self, request_id: int) -> None:
         self._fed.pop(request_id, None)
+
+
+def _candidates(logits: torch.Tensor, builder: TreeBuilder) -> list[tuple[int, float]]:
+    """The drafter's best tokens for one tree node, ``(token, probability)``, as many as a level may keep."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    top = torch.topk(probs, min(max(builder.width, default=1), probs.shape[-1]))
+    return list(zip(top.indices.tolist(), top.values.tolist()))
 
 
 def decoder_layer_list(model: torch.nn.Module, num_layers: int) -> tuple[str, torch.nn.ModuleList]:

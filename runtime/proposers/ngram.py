@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..token_tree import TreeBuilder
 from .base import Draft, DraftContext, DraftRequest
 
+MAX_OCCURRENCES = 64  # earlier occurrences of the suffix a tree is built from
 _VALID_SPECS = "'ngram' or 'ngram:N' (N >= 1, the longest n-gram to match)"
 
 
@@ -80,8 +82,16 @@ class NgramProposer:
 
     def lookup(self, token_ids: list[int], k: int) -> list[int]:
         """The draft for one sequence (see the class docstring)."""
+        if k <= 0:
+            return []
+        ends = self.occurrences(token_ids, limit=1)
+        return [int(t) for t in token_ids[ends[0] + 1 : ends[0] + 1 + k]] if ends else []
+
+    def occurrences(self, token_ids: list[int], limit: int = MAX_OCCURRENCES) -> list[int]:
+        """Ends of earlier occurrences of the sequence's suffix: those of the longest matching n-gram first
+        (``n <= max_ngram``), then of shorter ones down to ``min_ngram``; most recent first within each n."""
         length = len(token_ids)
-        if k <= 0 or length < self.min_ngram + 1:  # a match needs one token after it
+        if length < self.min_ngram + 1:  # a match needs one token after it
             return []
         tokens = np.asarray(token_ids, dtype=np.int64)  # [L]
         # ends: positions e < L-1 where an earlier occurrence of the suffix would end.
@@ -89,7 +99,7 @@ class NgramProposer:
         # left per round, keeping only the ends whose window still matches; the survivors
         # of round n are exactly the ends of earlier n-gram occurrences.
         ends = np.flatnonzero(tokens[: length - 1] == tokens[-1])
-        best_end = -1
+        by_n = []
         for n in range(1, min(self.max_ngram, length - 1) + 1):
             if n > 1:
                 ends = ends[ends >= n - 1]  # the window [e-n+1, e] must start at >= 0
@@ -97,10 +107,49 @@ class NgramProposer:
             if ends.size == 0:
                 break
             if n >= self.min_ngram:
-                best_end = int(ends[-1])  # most recent occurrence of the longest n so far
-        if best_end < 0:
-            return []
-        return [int(t) for t in token_ids[best_end + 1 : best_end + 1 + k]]
+                by_n.append(ends[::-1])
+        out: list[int] = []
+        seen: set[int] = set()
+        for ends in reversed(by_n):  # longest n first
+            for e in ends.tolist():
+                if e not in seen:
+                    seen.add(e)
+                    out.append(e)
+                    if len(out) == limit:
+                        return out
+        return out
+
+    def propose_tree(self, requests: list[DraftRequest], shape) -> list[Draft]:
+        """Trees of the continuations of the suffix's earlier occurrences (:meth:`occurrences`): a node's
+        children are the distinct tokens that followed its path, the one of the most recent longest match
+        first (so the tree holds :meth:`lookup`'s chain), then by how many occurrences continue with them;
+        a child's probability is that count over its parent's."""
+        out = []
+        for r in requests:
+            ends = self.occurrences(r.token_ids)
+            depth = min(r.k, shape.depth)
+            counts: dict[tuple[int, ...], int] = {(): len(ends)}
+            children: dict[tuple[int, ...], list[int]] = {}
+            for e in ends:  # primary continuation first: children lists keep first-seen order
+                cont = tuple(int(t) for t in r.token_ids[e + 1:e + 1 + depth])
+                for d in range(1, len(cont) + 1):
+                    path = cont[:d]
+                    if path not in counts:
+                        counts[path] = 0
+                        children.setdefault(cont[:d - 1], []).append(cont[d - 1])
+                    counts[path] += 1
+            builder = TreeBuilder(shape, max_depth=depth)
+            while not builder.done:
+                cands = []
+                for node in builder.frontier:
+                    path = tuple(builder.path(node))
+                    kids = children.get(path, [])
+                    ranked = kids[:1] + sorted(kids[1:], key=lambda t: -counts[path + (t,)])
+                    cands.append([(t, counts[path + (t,)] / counts[path]) for t in ranked])
+                builder.add_level(cands)
+            tokens, parents = builder.result()
+            out.append(Draft(tokens, parents=parents))
+        return out
 
     def on_verified(self, request_id: int, num_committed: int) -> None:
         pass  # stateless: the next propose() rescans the committed tokens
