@@ -126,11 +126,9 @@ class Speculation:
                 if shadowing and cap > 0 and controller.wants_shadow(r.request_id):
                     shadows.append(DraftRequest(r.request_id, r.all_ids, len(r.prompt_ids), cap, r.params, r.generator))
                 continue
-            copies = self._kv.allocate(r.request_id, k)
-            if copies is None:
-                continue  # pool short: plain decode this step
-            self._copy_blocks(copies)
-            wanted.append(DraftRequest(r.request_id, r.all_ids, len(r.prompt_ids), k, r.params, r.generator))
+            request = self._reserve(r, k, k)
+            if request is not None:  # (None: pool short, a plain decode this step)
+                wanted.append(request)
         if not wanted and not shadows:
             return {}
         t0 = time.perf_counter()
@@ -166,11 +164,9 @@ class Speculation:
                 depth = min(depth, r.num_draft_tokens)
             if depth <= 0:
                 continue
-            copies = self._kv.allocate(r.request_id, scratch)
-            if copies is None:
-                continue  # pool short: plain decode this step
-            self._copy_blocks(copies)
-            wanted.append(DraftRequest(r.request_id, r.all_ids, len(r.prompt_ids), depth, r.params, r.generator))
+            request = self._reserve(r, scratch, depth)
+            if request is not None:  # (None: pool short, a plain decode this step)
+                wanted.append(request)
         if not wanted:
             return {}
         drafts = {}
@@ -179,6 +175,15 @@ class Speculation:
             if d.token_ids:
                 drafts[w.request_id] = d
         return drafts
+
+    def _reserve(self, r: Request, slots: int, k: int) -> DraftRequest | None:
+        """``slots`` cache slots past ``r``'s tokens (copy-on-write copies made) and the request for ``k``
+        drafts; None when the pool is short."""
+        copies = self._kv.allocate(r.request_id, slots)
+        if copies is None:
+            return None
+        self._copy_blocks(copies)
+        return DraftRequest(r.request_id, r.all_ids, len(r.prompt_ids), k, r.params, r.generator)
 
     def observe_decode(self, r: Request, drafted: int, accepted: int) -> None:
         """A decode forward of ``r`` verified ``drafted`` drafts and accepted ``accepted``."""

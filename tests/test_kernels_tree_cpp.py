@@ -15,14 +15,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specgraph.kernels import get_scheme
-from specgraph.kernels.quant import dequantize_fp8, dequantize_int4
-from specgraph.kernels.quant_cache_write import cache_write_fp8_ref, cache_write_int4_ref
-from specgraph.kernels.tree_mask import ancestor_mask, causal_rows, dense_tree_attention, depths, random_tree
+from specgraph.kernels.tree_mask import ancestor_mask, causal_rows
+from tree_steps import alibi_slopes_for, make_step, quantize, steps, variants
 
 F32 = dict(atol=2e-5, rtol=1e-5)  # float32 kernel vs the float64 rule (test_kernels_paged_attention's)
-WRITE = {"fp8": cache_write_fp8_ref, "int4": cache_write_int4_ref}
-DEQUANTIZE = {"fp8": dequantize_fp8, "int4": dequantize_int4}
 
 
 def _cpp():
@@ -31,116 +27,6 @@ def _cpp():
     if cpu_kernels.load() is None:
         pytest.fail(f"the C++ CPU attention kernel did not build: {cpu_kernels.build_error()}")
     return cpu_kernels
-
-
-@dataclasses.dataclass
-class Step:
-    """One step's stream over a paged float32 cache, and each sequence's K/V by cache index."""
-
-    q: torch.Tensor  # [N, H, D]
-    k_cache: torch.Tensor  # [num_blocks, P, KVH, D]
-    v_cache: torch.Tensor
-    block_tables: torch.Tensor  # [S, max_blocks] int32
-    seq_lens: torch.Tensor  # [S] int32
-    query_start_loc: torch.Tensor  # [S + 1] int32
-    positions: torch.Tensor  # [N] int64
-    scale: float
-    tree_mask: torch.Tensor  # [N, W] int32
-    keys: list  # per sequence [seq_len, KVH, D] float32
-    values: list
-
-    def meta(self):
-        return (self.block_tables, self.seq_lens, self.query_start_loc, self.positions, self.scale)
-
-    def args(self):
-        return (self.q, self.k_cache, self.v_cache, *self.meta())
-
-    def slots(self, s: int) -> torch.Tensor:
-        page = self.k_cache.shape[1]
-        j = torch.arange(int(self.seq_lens[s]))
-        return self.block_tables[s, j // page].long() * page + j % page
-
-    def expected(self, tree_mask=None, keys=None, values=None, window=0, softcap=0.0, alibi_slopes=None):
-        return dense_tree_attention(self.q, keys or self.keys, values or self.values, self.positions, self.seq_lens,
-                                    self.query_start_loc, self.scale, tree_mask, window, softcap, alibi_slopes)
-
-
-def make_step(seed, page_size, kv_heads, group, head_dim, words, seqs) -> Step:
-    """``seqs``: per sequence ``(kind, committed, n)``: ``n`` new tokens after ``committed`` keys, a
-    random tree ("tree"), a chain's ancestor rows ("chain") or rows of all bits ("causal": decodes,
-    prefill chunks)."""
-    gen = torch.Generator().manual_seed(seed)
-    lens = [c + n for _, c, n in seqs]
-    pages = [-(-L // page_size) for L in lens]
-    num_blocks = sum(pages) + 3
-    free = torch.randperm(num_blocks, generator=gen).tolist()
-    max_blocks = max(pages) + 1
-    # scrambled block ids; unused entries point outside the cache (the kernel rejects any it reads)
-    block_tables = torch.tensor([[free.pop() for _ in range(p)] + [num_blocks + 7] * (max_blocks - p) for p in pages],
-                                dtype=torch.int32)
-    k_cache = torch.full((num_blocks, page_size, kv_heads, head_dim), float("nan"))
-    v_cache = torch.full_like(k_cache, float("nan"))
-    keys, values, positions, rows = [], [], [], []
-    for s, ((kind, committed, n), L) in enumerate(zip(seqs, lens)):
-        keys.append(torch.randn(L, kv_heads, head_dim, generator=gen))
-        values.append(torch.randn(L, kv_heads, head_dim, generator=gen))
-        j = torch.arange(L)
-        slots = block_tables[s, j // page_size].long() * page_size + j % page_size
-        k_cache.view(-1, kv_heads, head_dim)[slots] = keys[s]
-        v_cache.view(-1, kv_heads, head_dim)[slots] = values[s]
-        parents = random_tree(n, gen) if kind == "tree" and n else list(range(-1, n - 1))
-        positions += [committed + d for d in depths(parents)]
-        rows.append(causal_rows(n, words) if kind == "causal" else ancestor_mask(parents, words))
-    q = torch.randn(len(positions), kv_heads * group, head_dim, generator=gen)
-    query_start_loc = torch.tensor([0] + [n for _, _, n in seqs]).cumsum(0).to(torch.int32)
-    return Step(q, k_cache, v_cache, block_tables, torch.tensor(lens, dtype=torch.int32), query_start_loc,
-                torch.tensor(positions, dtype=torch.int64), head_dim**-0.5, torch.cat(rows), keys, values)
-
-
-@st.composite
-def steps(draw, max_tokens=80):
-    words = draw(st.sampled_from([1, 2]))
-    seqs, budget = [], max_tokens
-    for _ in range(draw(st.integers(1, 4))):
-        kind = draw(st.sampled_from(["tree", "tree", "chain", "decode", "prefill", "empty"]))
-        n = {"tree": draw(st.integers(1, 32 * words)), "chain": draw(st.integers(1, 12)), "decode": 1,
-             "prefill": draw(st.integers(1, 70)), "empty": 0}[kind]
-        n = min(n, budget)
-        budget -= n
-        committed = draw(st.integers(0 if n else 1, 40))
-        seqs.append(("causal" if kind in ("decode", "prefill", "empty") else kind, committed, n))
-    return make_step(seed=draw(st.integers(0, 2**31 - 1)), page_size=draw(st.integers(1, 16)),
-                     kv_heads=draw(st.integers(1, 2)), group=draw(st.sampled_from([1, 2, 4])),
-                     head_dim=draw(st.sampled_from([16, 24, 64])), words=words, seqs=seqs)
-
-
-def _slopes(num_heads: int) -> torch.Tensor:
-    return torch.tensor([2.0 ** -(8 * (h + 1) / num_heads) for h in range(num_heads)])
-
-
-@st.composite
-def variants(draw, num_heads: int):
-    """(window, softcap, alibi_slopes), each on or off (window 1 included)."""
-    return (draw(st.sampled_from([0, 0, 1, 3, 8, 17, 40])), draw(st.sampled_from([0.0, 0.0, 0.5, 30.0])),
-            _slopes(num_heads) if draw(st.booleans()) else None)
-
-
-def quantize(step: Step, scheme: str, seed: int = 0):
-    """The step's K/V written through the reference quantized write (garbage bytes, NaN patterns
-    included, in every unwritten slot): the cache tensors and each sequence's dequantized K/V."""
-    num_blocks, page_size, kv_heads, head_dim = step.k_cache.shape
-    cache = get_scheme(scheme).allocate(num_blocks, page_size, kv_heads, head_dim).tensors()
-    gen = torch.Generator().manual_seed(seed)
-    for t in cache:
-        t.view(torch.uint8).copy_(torch.randint(0, 256, t.view(torch.uint8).shape, generator=gen, dtype=torch.uint8))
-    keys, values = [], []
-    for s in range(len(step.keys)):
-        slots = step.slots(s)
-        WRITE[scheme](step.keys[s], step.values[s], *cache, slots)
-        k_cache, v_cache, k_scale, v_scale = (t.flatten(0, 1)[slots] for t in cache)
-        keys.append(DEQUANTIZE[scheme](k_cache, k_scale))
-        values.append(DEQUANTIZE[scheme](v_cache, v_scale))
-    return cache, keys, values
 
 
 @settings(max_examples=60, deadline=None)
@@ -200,7 +86,7 @@ def test_large_trees_and_long_chunks_use_the_second_word_and_the_fallback():
     step = make_step(3, 16, kv_heads=2, group=2, head_dim=32, words=2, seqs=seqs)
     assert step.positions[:50].max() < 30 + 49  # the tree is not a chain
     cpu = _cpp()
-    for variant in ((0, 0.0, None), (9, 0.0, None), (0, 30.0, _slopes(4)), (17, 0.5, _slopes(4))):
+    for variant in ((0, 0.0, None), (9, 0.0, None), (0, 30.0, alibi_slopes_for(4)), (17, 0.5, alibi_slopes_for(4))):
         out = cpu.paged_attention_short_cpp(*step.args(), *variant, step.tree_mask)
         torch.testing.assert_close(out.double(), step.expected(step.tree_mask, window=variant[0], softcap=variant[1],
                                                                alibi_slopes=variant[2]), **F32)
@@ -219,7 +105,7 @@ def test_a_token_that_sees_nothing_outputs_zero():
     mask = step.tree_mask.clone()
     mask[2] = 0
     mask[3] = 1 << 3
-    for variant in ((0, 0.0, None), (2, 30.0, _slopes(2))):
+    for variant in ((0, 0.0, None), (2, 30.0, alibi_slopes_for(2))):
         out = _cpp().paged_attention_short_cpp(*step.args(), *variant, mask)
         assert torch.isfinite(out).all() and (out[2] == 0).all()
         torch.testing.assert_close(out[3], step.values[0][3, 0].expand(2, -1))
@@ -237,9 +123,9 @@ def test_native_ops_run_a_tree_in_the_cpp_kernel():
     assert cpu.load().attention_pays(step.seq_lens, step.query_start_loc)
     loose = torch.cat([step.tree_mask, step.tree_mask], 1)[:, ::2]  # not contiguous
     assert not loose.is_contiguous()
-    expected = cpu.paged_attention_short_cpp(*step.args(), 0, 0.0, _slopes(4), step.tree_mask)
-    assert torch.equal(torch.ops.specgraph_cpu.paged_attention(*step.args(), 0, 0.0, _slopes(4), loose), expected)
-    assert cpu._cpp_takes(*step.args(), 0, 0.0, _slopes(4), step.tree_mask)
+    expected = cpu.paged_attention_short_cpp(*step.args(), 0, 0.0, alibi_slopes_for(4), step.tree_mask)
+    assert torch.equal(torch.ops.specgraph_cpu.paged_attention(*step.args(), 0, 0.0, alibi_slopes_for(4), loose), expected)
+    assert cpu._cpp_takes(*step.args(), 0, 0.0, alibi_slopes_for(4), step.tree_mask)
     for scheme in ("fp8", "int4"):
         cache, _, _ = quantize(step, scheme)
         run, takes = cpu._quant_attention(scheme)
@@ -250,14 +136,14 @@ def test_native_ops_run_a_tree_in_the_cpp_kernel():
 
     long = make_step(8, 8, kv_heads=2, group=2, head_dim=32, words=2, seqs=[("tree", 40, 30), ("causal", 100, 20)])
     assert not cpu.load().attention_pays(long.seq_lens, long.query_start_loc)
-    got = torch.ops.specgraph_cpu.paged_attention(*long.args(), 9, 0.0, _slopes(4), long.tree_mask)
-    torch.testing.assert_close(got.double(), long.expected(long.tree_mask, window=9, alibi_slopes=_slopes(4)), **F32)
+    got = torch.ops.specgraph_cpu.paged_attention(*long.args(), 9, 0.0, alibi_slopes_for(4), long.tree_mask)
+    torch.testing.assert_close(got.double(), long.expected(long.tree_mask, window=9, alibi_slopes=alibi_slopes_for(4)), **F32)
     for scheme in ("fp8", "int4"):
         cache, keys, values = quantize(long, scheme)
         got = getattr(torch.ops.specgraph_cpu, f"paged_attention_{scheme}")(long.q, *cache, *long.meta(), 9, 0.0,
-                                                                            _slopes(4), long.tree_mask)
+                                                                            alibi_slopes_for(4), long.tree_mask)
         torch.testing.assert_close(got.double(), long.expected(long.tree_mask, keys, values, window=9,
-                                                               alibi_slopes=_slopes(4)), **F32)
+                                                               alibi_slopes=alibi_slopes_for(4)), **F32)
     with pytest.raises(ValueError, match="tree_mask"):
         torch.ops.specgraph_cpu.paged_attention(*step.args(), 0, 0.0, None, step.tree_mask.long())
 
@@ -281,6 +167,6 @@ def test_the_window_bounds_new_keys_by_position():
     step = make_step(7, 4, kv_heads=1, group=2, head_dim=16, words=1, seqs=[("tree", 6, 12), ("causal", 9, 3)])
     shifted = dataclasses.replace(step, positions=step.positions + 6)
     for window in (2, 5):
-        out = _cpp().paged_attention_short_cpp(*shifted.args(), window, 0.0, _slopes(2), step.tree_mask)
+        out = _cpp().paged_attention_short_cpp(*shifted.args(), window, 0.0, alibi_slopes_for(2), step.tree_mask)
         torch.testing.assert_close(out.double(), shifted.expected(step.tree_mask, window=window,
-                                                                  alibi_slopes=_slopes(2)), **F32)
+                                                                  alibi_slopes=alibi_slopes_for(2)), **F32)
