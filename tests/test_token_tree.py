@@ -141,6 +141,21 @@ def test_a_tree_accepts_at_least_its_chain_at_equal_depth():
         assert gained["static:3,2,1"] >= gained[None] + better, gained
 
 
+def test_sampled_tree_speculation_replays_with_its_seed_and_honours_request_caps():
+    model = make_family("llama")
+    prompts = _prompts("llama")[:2]
+    engine = Engine(model, draft="ngram", draft_tree="dynamic:6", num_blocks=64, page_size=8)
+    runs = [[r.token_ids for r in engine.generate(prompts, max_new_tokens=16, temperature=0.8, seed=s,
+                                                    ignore_eos=True)] for s in (3, 3, 4)]
+    assert runs[0] == runs[1] and runs[0] != runs[2]
+    assert engine.stats["tree_nodes_verified"] > 0
+    engine.reset_stats()  # a request that turns speculation off drafts no tree
+    [request] = engine.submit(prompts[0], max_new_tokens=8, ignore_eos=True, num_draft_tokens=0)
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.stats["tree_nodes_verified"] == 0 and len(request.output_ids) == 8
+
+
 def test_tree_of_a_quantized_cache_moves_scales():
     """fp8 cache: tree speculation equals plain decoding on the same cache format."""
     model = make_family("llama")
