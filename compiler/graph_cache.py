@@ -67,6 +67,7 @@ def cache_key(model: torch.nn.Module, options: BackendOptions, example_len: int)
              config.to_json_string() if hasattr(config, "to_json_string") else repr(config),
              options.kv_dtype, options.weight_dtype, hashlib.blake2b(repr(options.weight_calibration).encode()).hexdigest(),
              str(options.page_size), str(options.self_check), str(example_len), str(options.tree_nodes),
+             str(options.hidden_states),
              str(next(iter(model.parameters())).device), _weights_digest(model)]
     return hashlib.blake2b("\n".join(parts).encode(), digest_size=20).hexdigest()
 

@@ -65,6 +65,9 @@ class BackendOptions:
         graph op by op: the reference the others are tested against) or ``"triton-interpret"``
         (Inductor's Triton code for CPU tensors, run by the Triton interpreter: slow, for CI).
         Defaults to ``$SPECGRAPH_LOWERING`` when set, else ``"inductor"``.
+    hidden_states:
+        The program also returns the last hidden state (the LM head's input) of the rows whose
+        logits it returns (``DecoderProgram(..., return_hidden=True)``): a draft head's features.
     tree_nodes:
         The largest token tree (new tokens per sequence) a step may verify in one forward; ``0``
         (default): no trees, and no ``tree_mask`` pass. The program then takes a ``tree_mask``
@@ -87,6 +90,7 @@ class BackendOptions:
     self_check: bool = True
     lowering: str | None = None
     tree_nodes: int = 0
+    hidden_states: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.tree_nodes, int) or not 0 <= self.tree_nodes <= MAX_TREE_NODES:

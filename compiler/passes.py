@@ -68,6 +68,7 @@ class PassContext:
     signature: DecoderSignature = field(default_factory=DecoderSignature)
     kv_scheme: Any = None  # kernels.quant.QuantScheme once kv_quant quantized the cache
     selects_logits: bool = False  # select_logits made the LM head read only logits_indices rows
+    hidden_index: int | None = None  # hidden_states: the last hidden state's place among the outputs
     calibration: Any = None  # compiler.calibration.Calibration once quantize_weights calibrated
     log: list[PassRecord] = field(default_factory=list)
 

@@ -12,6 +12,7 @@ Phase 2 (decoder programs): turn the cache-free graph into an incremental, paged
     tree_mask   (tree_nodes > 0) attention takes the step's token-tree mask
     cleanup     dead mask construction and aranges removed
     select_logits  the LM head runs only on the rows whose logits are needed
+    hidden_states  (hidden_states) the LM head's input rows become an output too (a draft head's features)
     fuse_linears   linears reading one input (q/k/v, gate/up) become one linear over stacked weights
     quantize_weights  (weight_dtype bfloat16/int8/fp8/int4) linears read quantized weights
 The backend's own (cache-free) graph runs phase 1 and quantize_weights.
@@ -34,6 +35,7 @@ def backend_passes() -> list[GraphPass]:
 def decoder_passes() -> list[GraphPass]:
     from ..passes.cleanup import cleanup
     from ..passes.fuse_linears import fuse_linears
+    from ..passes.hidden_states import hidden_states
     from ..passes.kv_cache import kv_cache
     from ..passes.kv_quant import kv_quant
     from ..passes.paging import paging
@@ -47,5 +49,6 @@ def decoder_passes() -> list[GraphPass]:
                              GraphPass(paging, "paging"), GraphPass(rotate_kv, "rotate_kv"),
                              GraphPass(kv_quant, "kv_quant", check_atol=0.25), GraphPass(tree_mask, "tree_mask"),
                              GraphPass(cleanup, "cleanup"),
-                             GraphPass(select_logits, "select_logits"), GraphPass(fuse_linears, "fuse_linears"),
+                             GraphPass(select_logits, "select_logits"), GraphPass(hidden_states, "hidden_states"),
+                             GraphPass(fuse_linears, "fuse_linears"),
                              GraphPass(quantize_weights, "quantize_weights")]

@@ -179,6 +179,7 @@ class DecoderProgram:
     page_size: int
     selects_logits: bool
     logits_index: int = 0  # position of the logits among the graph's flattened outputs
+    hidden_index: int | None = None  # position of the last hidden state (options.hidden_states)
     self_check_seconds: float | None = None  # time the compile-time self-check took (None: not run)
     from_cache: bool = False  # loaded from the graph cache (no capture, no passes in this process)
 
@@ -228,24 +229,33 @@ class DecoderProgram:
         return logits if self.selects_logits else logits.index_select(0, meta.logits_indices)
 
     def __call__(self, input_ids: torch.Tensor, meta: AttentionMetadata,
-                 kv_cache: list[tuple[torch.Tensor, ...]]) -> torch.Tensor:
-        """Run the stream. ``input_ids [N]`` -> logits ``[M, vocab]`` for ``meta.logits_indices``.
+                 kv_cache: list[tuple[torch.Tensor, ...]], return_hidden: bool = False):
+        """Run the stream. ``input_ids [N]`` -> logits ``[M, vocab]`` for ``meta.logits_indices``; with
+        ``return_hidden`` (a program compiled with ``hidden_states``), ``(logits, hidden [M, width])``.
 
         Runs the eager lowering until :meth:`compile_steps` has compiled the step graphs. Ids and
         metadata built on the host move to the program's device here."""
+        if return_hidden and self.hidden_index is None:
+            raise ValueError("return_hidden needs a program compiled with hidden_states=True")
         if input_ids.device != self._device:
             input_ids = input_ids.to(self._device, non_blocking=True)
         if meta.positions.device != self._device:
             meta = meta.to(self._device)
+        m = meta.logits_indices.numel()
         if self._steps is None:
-            return self.logits_of(self._eager(*self.graph_inputs(input_ids, meta, kv_cache)), meta)
-        key, shape = self._steps.shape_for(meta.shape)
-        padded = meta.padded(shape)
-        n = input_ids.numel()
-        if shape.num_tokens > n:
-            input_ids = torch.cat([input_ids.view(-1), input_ids.new_zeros(shape.num_tokens - n)])
-        out = self._steps(key, self.graph_inputs(input_ids, padded, kv_cache))
-        return self.logits_of(out, padded)[:meta.logits_indices.numel()]
+            padded, out = meta, self._eager(*self.graph_inputs(input_ids, meta, kv_cache))
+        else:
+            key, shape = self._steps.shape_for(meta.shape)
+            padded = meta.padded(shape)
+            n = input_ids.numel()
+            if shape.num_tokens > n:
+                input_ids = torch.cat([input_ids.view(-1), input_ids.new_zeros(shape.num_tokens - n)])
+            out = self._steps(key, self.graph_inputs(input_ids, padded, kv_cache))
+        logits = self.logits_of(out, padded)[:m]
+        if not return_hidden:
+            return logits
+        hidden = pick_output(out, self.hidden_index)
+        return logits, hidden.reshape(-1, hidden.shape[-1])[:m]
 
     def compile_steps(self, kv_cache: list[tuple[torch.Tensor, ...]], table_width: int,
                       buckets: tuple[int, ...] | None = None, progress: Callable[[str], None] | None = None,
@@ -363,6 +373,7 @@ class DecoderProgram:
         return {"layers": [(s.kv_heads, s.head_dim, s.dtype) for s in self.layers], "vocab_size": self.vocab_size,
                 "page_size": self.page_size, "selects_logits": self.selects_logits,
                 "logits_index": self.logits_index, "self_check_seconds": self.self_check_seconds,
+                "hidden_index": self.hidden_index,
                 "signature": dict(ctx.signature.specs)}
 
 
@@ -379,6 +390,7 @@ def cached_program(gm: fx.GraphModule, spec: dict, options: BackendOptions) -> D
     return DecoderProgram(compiled=CompiledGraph(None, gm, context, 0.0), layers=layers,
                           vocab_size=spec["vocab_size"], page_size=spec["page_size"],
                           selects_logits=spec["selects_logits"], logits_index=spec["logits_index"],
+                          hidden_index=spec.get("hidden_index"),
                           self_check_seconds=spec["self_check_seconds"], from_cache=True)
 
 
@@ -446,4 +458,4 @@ def _program(compiled: CompiledGraph, options: BackendOptions) -> DecoderProgram
               for s in analysis.sites]
     return DecoderProgram(compiled=compiled, layers=layers, vocab_size=analysis.vocab_size,
                           page_size=options.page_size, selects_logits=ctx.selects_logits,
-                          logits_index=analysis.logits_index)
+                          logits_index=analysis.logits_index, hidden_index=ctx.hidden_index)

@@ -19,7 +19,7 @@ def test_each_pass_keeps_outputs(family):
     program = compile_decoder(make_family(family), BackendOptions(check="numeric", page_size=8))
     names = [r.name for r in program.compiled.context.log]
     assert names == ["normalize", "annotate", "positions", "kv_cache", "paging", "rotate_kv", "kv_quant", "tree_mask", "cleanup",
-                     "select_logits", "fuse_linears", "quantize_weights"]
+                     "select_logits", "hidden_states", "fuse_linears", "quantize_weights"]
     targets = [n.target for n in program.gm.graph.nodes if n.op == "call_function"]
     assert targets.count(torch.ops.specgraph.paged_attention.default) == 2
     assert targets.count(torch.ops.specgraph.cache_write.default) == 2
