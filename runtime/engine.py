@@ -478,7 +478,7 @@ class Engine:
                 trees[len(seqs)] = [-1] + [p + 1 for p in draft.parents]
             seqs.append((self.kv.block_table(c.request.request_id), c.start, n))
             want.append(list(range(n)) if extra else [n - 1] if c.wants_logits else [])
-        meta = AttentionMetadata.build(seqs, self.page_size, want, trees, self.program.tree_words)
+        meta = AttentionMetadata.build(seqs, self.page_size, want, trees, self.program.tree_words if trees else 0)
         t_forward = time.perf_counter()
         logits = self.program(torch.tensor(ids, dtype=torch.long), meta, self.kv_cache)
         if logits.device.type != "cpu":  # sampling and verification decide on the host
