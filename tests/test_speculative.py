@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import specgraph
-import specgraph.runtime.engine as engine_module
+import specgraph.runtime.drafting as drafting_module
 from specgraph.runtime import rejection
 from models import make_family, tiny_llama
 from models import random_prompts as _prompts
@@ -174,6 +174,6 @@ def test_speculative_sampling_keeps_target_distribution(peaky_pair):
 def test_wrong_acceptance_rule_is_detected(peaky_pair, monkeypatch):
     target, drafter, prompt, marginals = peaky_pair
     always_accept = functools.partial(rejection.verify_sampling, accept_rule=lambda p, q: 1.0)
-    monkeypatch.setattr(engine_module, "verify_sampling", always_accept)
+    monkeypatch.setattr(drafting_module, "verify_sampling", always_accept)
     tokens = _sample_tokens(target, drafter, prompt, 3000, seed=1)
     assert not _passes(tokens, marginals)
