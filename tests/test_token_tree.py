@@ -177,7 +177,7 @@ def test_tree_cache_is_the_prefix_plus_the_tree(monkeypatch):
     run = type(engine.program).__call__
 
     def spy(program, ids, meta, cache):
-        if bool((meta.tree_mask != -1).any()):  # a step verifying a tree
+        if meta.tree_mask is not None and bool((meta.tree_mask != -1).any()):  # a step verifying a tree
             steps.append((int(meta.seq_lens[0]), len(ids), 127 - engine.kv.num_free_blocks))
         return run(program, ids, meta, cache)
 
