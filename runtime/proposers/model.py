@@ -43,8 +43,7 @@ class ModelProposer:
         # step 0 feeds everything the drafter has not seen: a draft model's own cache lacks the prompt
         # on a request's first step; layer_skip's layers already hold every committed token but the
         # last (the target computed them)
-        feed = {r.request_id: r.token_ids[min(self._fed.get(r.request_id, self._first_fed(r)), len(r.token_ids) - 1):]
-                for r in active}
+        feed = {r.request_id: self._unfed(r) for r in active}
         start = {r.request_id: len(r.token_ids) - len(feed[r.request_id]) for r in active}
         for step in range(max((r.k for r in active), default=0)):
             live = [r for r in active if len(drafts[r.request_id]) < r.k and step < r.k]
@@ -86,8 +85,7 @@ class ModelProposer:
         builders = {r.request_id: TreeBuilder(shape, max_depth=r.k) for r in requests}
         live = [r for r in requests if not builders[r.request_id].done]
         if live:
-            feed = {r.request_id: r.token_ids[min(self._fed.get(r.request_id, self._first_fed(r)),
-                                                  len(r.token_ids) - 1):] for r in live}
+            feed = {r.request_id: self._unfed(r) for r in live}
             seqs = [(self.kv.block_table(r.request_id), len(r.token_ids) - len(feed[r.request_id]),
                      len(feed[r.request_id])) for r in live]
             logits = self._forward([t for r in live for t in feed[r.request_id]], seqs,
@@ -118,6 +116,11 @@ class ModelProposer:
         meta = AttentionMetadata.build(seqs, self.page_size, want, trees, tree_words=self.program.tree_words)
         with torch.no_grad():
             return self.program(torch.tensor(ids, dtype=torch.long), meta, self.kv_cache)
+
+    def _unfed(self, r: DraftRequest) -> list[int]:
+        """The committed tokens the drafter has no K/V for, the last one always included (it is fed to
+        draft from)."""
+        return r.token_ids[min(self._fed.get(r.request_id, self._first_fed(r)), len(r.token_ids) - 1):]
 
     def _first_fed(self, r: DraftRequest) -> int:
         return len(r.token_ids) - 1 if self.shares_target_cache else 0
