@@ -62,7 +62,7 @@ def test_siblings_do_not_see_each_other():
     out = paged_attention_ref(*step.args(), tree_mask=step.tree_mask)
     for branch in (1, 2):  # a 2-token chain: the root, then this branch's node
         keep = list(range(6)) + [5 + branch]
-        k, v = step.keys[0][keep], step.values[0][keep]
+        k, v = step.dense_k[0][keep], step.dense_v[0][keep]
         probs = torch.softmax(k[:, 0] @ step.q[branch, 0] * step.scale, 0)
         torch.testing.assert_close(out[branch, 0], probs @ v[:, 0], atol=1e-5, rtol=1e-5)
 

@@ -108,7 +108,7 @@ def test_a_token_that_sees_nothing_outputs_zero():
     for variant in ((0, 0.0, None), (2, 30.0, alibi_slopes_for(2))):
         out = _cpp().paged_attention_short_cpp(*step.args(), *variant, mask)
         assert torch.isfinite(out).all() and (out[2] == 0).all()
-        torch.testing.assert_close(out[3], step.values[0][3, 0].expand(2, -1))
+        torch.testing.assert_close(out[3], step.dense_v[0][3, 0].expand(2, -1))
         torch.testing.assert_close(out.double(), step.expected(mask, window=variant[0], softcap=variant[1],
                                                                alibi_slopes=variant[2]), **F32)
 

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from specgraph.kernels import get_scheme
 from specgraph.kernels.quant import dequantize_fp8, dequantize_int4
 from specgraph.kernels.quant_cache_write import cache_write_fp8_ref, cache_write_int4_ref
+from test_kernels_paged_attention import Batch
 from specgraph.kernels.tree_mask import ancestor_mask, causal_rows, dense_tree_attention, depths, random_tree
 
 WRITE = {"fp8": cache_write_fp8_ref, "int4": cache_write_int4_ref}
@@ -17,26 +18,13 @@ DEQUANTIZE = {"fp8": dequantize_fp8, "int4": dequantize_int4}
 
 
 @dataclasses.dataclass
-class Step:
-    """One step's stream over a paged float32 cache, and each sequence's K/V by cache index."""
+class Step(Batch):
+    """A Batch (float32 cache; ``dense_k`` / ``dense_v``: each sequence's K/V by cache index) with its tree mask."""
 
-    q: torch.Tensor  # [N, H, D]
-    k_cache: torch.Tensor  # [num_blocks, P, KVH, D]
-    v_cache: torch.Tensor
-    block_tables: torch.Tensor  # [S, max_blocks] int32
-    seq_lens: torch.Tensor  # [S] int32
-    query_start_loc: torch.Tensor  # [S + 1] int32
-    positions: torch.Tensor  # [N] int64
-    scale: float
     tree_mask: torch.Tensor  # [N, W] int32
-    keys: list  # per sequence [seq_len, KVH, D] float32
-    values: list
 
     def meta(self):
         return (self.block_tables, self.seq_lens, self.query_start_loc, self.positions, self.scale)
-
-    def args(self):
-        return (self.q, self.k_cache, self.v_cache, *self.meta())
 
     def slots(self, s: int) -> torch.Tensor:
         page = self.k_cache.shape[1]
@@ -44,7 +32,7 @@ class Step:
         return self.block_tables[s, j // page].long() * page + j % page
 
     def expected(self, tree_mask=None, keys=None, values=None, window=0, softcap=0.0, alibi_slopes=None):
-        return dense_tree_attention(self.q, keys or self.keys, values or self.values, self.positions, self.seq_lens,
+        return dense_tree_attention(self.q, keys or self.dense_k, values or self.dense_v, self.positions, self.seq_lens,
                                     self.query_start_loc, self.scale, tree_mask, window, softcap, alibi_slopes)
 
 
@@ -77,7 +65,7 @@ def make_step(seed, page_size, kv_heads, group, head_dim, words, seqs) -> Step:
     q = torch.randn(len(positions), kv_heads * group, head_dim, generator=gen)
     query_start_loc = torch.tensor([0] + [n for _, _, n in seqs]).cumsum(0).to(torch.int32)
     return Step(q, k_cache, v_cache, block_tables, torch.tensor(lens, dtype=torch.int32), query_start_loc,
-                torch.tensor(positions, dtype=torch.int64), head_dim**-0.5, torch.cat(rows), keys, values)
+                torch.tensor(positions, dtype=torch.int64), head_dim**-0.5, keys, values, torch.cat(rows))
 
 
 @st.composite
@@ -117,9 +105,9 @@ def quantize(step: Step, scheme: str, seed: int = 0):
     for t in cache:
         t.view(torch.uint8).copy_(torch.randint(0, 256, t.view(torch.uint8).shape, generator=gen, dtype=torch.uint8))
     keys, values = [], []
-    for s in range(len(step.keys)):
+    for s in range(len(step.dense_k)):
         slots = step.slots(s)
-        WRITE[scheme](step.keys[s], step.values[s], *cache, slots)
+        WRITE[scheme](step.dense_k[s], step.dense_v[s], *cache, slots)
         k_cache, v_cache, k_scale, v_scale = (t.flatten(0, 1)[slots] for t in cache)
         keys.append(DEQUANTIZE[scheme](k_cache, k_scale))
         values.append(DEQUANTIZE[scheme](v_cache, v_scale))
