@@ -16,7 +16,7 @@ from specgraph.compiler.analysis import UnsupportedAttentionError, UnsupportedMo
 
 __all__ = ["backend", "register", "specgraph_backend", "BackendOptions", "GraphPass", "PassContext",
            "PassResult", "graph_pass", "rewrite", "load_model", "Engine", "UnsupportedAttentionError",
-           "UnsupportedModelError"]
+           "UnsupportedModelError", "distill"]
 
 
 def __getattr__(name):  # heavy runtime pieces load on first use
@@ -28,4 +28,8 @@ def __getattr__(name):  # heavy runtime pieces load on first use
         from specgraph.runtime.engine import Engine
 
         return Engine
+    if name == "distill":
+        from specgraph.runtime.heads.distill import distill
+
+        return distill
     raise AttributeError(f"module 'specgraph' has no attribute {name!r}")

@@ -66,8 +66,8 @@ class BackendOptions:
         (Inductor's Triton code for CPU tensors, run by the Triton interpreter: slow, for CI).
         Defaults to ``$SPECGRAPH_LOWERING`` when set, else ``"inductor"``.
     hidden_states:
-        The program also returns the last hidden state (the LM head's input) of the rows whose
-        logits it returns (``DecoderProgram(..., return_hidden=True)``): a draft head's features.
+        The program also returns the last hidden state (the LM head's input) of every token of
+        the step (``DecoderProgram(..., return_hidden=True)``): a draft head's features.
     tree_nodes:
         The largest token tree (new tokens per sequence) a step may verify in one forward; ``0``
         (default): no trees, and no ``tree_mask`` pass. The program then takes a ``tree_mask``

@@ -231,7 +231,8 @@ class DecoderProgram:
     def __call__(self, input_ids: torch.Tensor, meta: AttentionMetadata,
                  kv_cache: list[tuple[torch.Tensor, ...]], return_hidden: bool = False):
         """Run the stream. ``input_ids [N]`` -> logits ``[M, vocab]`` for ``meta.logits_indices``; with
-        ``return_hidden`` (a program compiled with ``hidden_states``), ``(logits, hidden [M, width])``.
+        ``return_hidden`` (a program compiled with ``hidden_states``), ``(logits, hidden [N, width])``: the
+        last hidden state of every stream token.
 
         Runs the eager lowering until :meth:`compile_steps` has compiled the step graphs. Ids and
         metadata built on the host move to the program's device here."""
@@ -241,13 +242,12 @@ class DecoderProgram:
             input_ids = input_ids.to(self._device, non_blocking=True)
         if meta.positions.device != self._device:
             meta = meta.to(self._device)
-        m = meta.logits_indices.numel()
+        m, n = meta.logits_indices.numel(), input_ids.numel()
         if self._steps is None:
             padded, out = meta, self._eager(*self.graph_inputs(input_ids, meta, kv_cache))
         else:
             key, shape = self._steps.shape_for(meta.shape)
             padded = meta.padded(shape)
-            n = input_ids.numel()
             if shape.num_tokens > n:
                 input_ids = torch.cat([input_ids.view(-1), input_ids.new_zeros(shape.num_tokens - n)])
             out = self._steps(key, self.graph_inputs(input_ids, padded, kv_cache))
@@ -255,7 +255,7 @@ class DecoderProgram:
         if not return_hidden:
             return logits
         hidden = pick_output(out, self.hidden_index)
-        return logits, hidden.reshape(-1, hidden.shape[-1])[:m]
+        return logits, hidden.reshape(-1, hidden.shape[-1])[:n]
 
     def compile_steps(self, kv_cache: list[tuple[torch.Tensor, ...]], table_width: int,
                       buckets: tuple[int, ...] | None = None, progress: Callable[[str], None] | None = None,

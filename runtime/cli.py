@@ -226,6 +226,20 @@ def _sampling_options(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
     p.add_argument("--seed", type=int, default=0)
 
 
+def cmd_distill(args) -> int:
+    from dataclasses import replace
+
+    from .heads.distill import Recipe, distill
+
+    given = {"prompts": args.prompts, "texts": args.texts, "max_new_tokens": args.max_new_tokens,
+             "steps": args.steps, "draft_vocab": args.draft_vocab, "seed": args.seed}
+    recipe = replace(Recipe(), **{k: v for k, v in given.items() if v is not None})
+    model, tok = _load(args)
+    distill(model, tok, out=args.out, head=args.head, recipe=recipe, resume=args.resume, minutes=args.minutes,
+            log=lambda line: print(line, file=sys.stderr))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="specgraph", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -261,6 +275,20 @@ def build_parser() -> argparse.ArgumentParser:
     dump.add_argument("--page-size", type=int, default=16)
     dump.add_argument("--mlir", action="store_true")
     dump.set_defaults(fn=cmd_dump)
+
+    distill = sub.add_parser("distill", help="train an EAGLE draft head for a model from data it builds itself")
+    distill.add_argument("--model", default=DEFAULT_MODEL)
+    distill.add_argument("--head", default="eagle", choices=("eagle",))
+    distill.add_argument("--out", required=True, help="the head's .safetensors (its config goes to OUT.json)")
+    distill.add_argument("--prompts", type=_positive, default=None, help="prompts the target answers")
+    distill.add_argument("--texts", type=_positive, default=None, help="plain-text sequences")
+    distill.add_argument("--max-new-tokens", type=_positive, default=None, help="tokens per answer")
+    distill.add_argument("--steps", type=_positive, default=None, help="training steps")
+    distill.add_argument("--draft-vocab", type=_positive, default=None, help="tokens the head drafts from")
+    distill.add_argument("--seed", type=int, default=None)
+    distill.add_argument("--minutes", type=float, default=None, help="stop training after this many minutes")
+    distill.add_argument("--resume", action="store_true", help="reuse OUT.data.pt and continue from OUT.ckpt.pt")
+    distill.set_defaults(fn=cmd_distill)
 
     bench = sub.add_parser("bench", help="run benchmarks/bench_decode.py (arguments pass through)")
     bench.add_argument("rest", nargs=argparse.REMAINDER)

@@ -95,7 +95,7 @@ class Speculation:
         """Draft token trees of this shape (None: chains). The controller does not size trees: adaptive is off."""
         if tree is not None and (self.adaptive or not callable(getattr(self.proposer, "propose_tree", None))):
             raise ValueError(f"draft_tree={str(tree)!r} needs adaptive=False and a proposer that drafts trees "
-                             f"(ngram, a draft model, layer_skip); {getattr(self.proposer, 'name', self.proposer)!r} "
+                             f"(ngram, eagle, a draft model, layer_skip); {getattr(self.proposer, 'name', self.proposer)!r} "
                              f"with adaptive={self.adaptive}")
         self.tree = tree
 
@@ -199,6 +199,11 @@ class Speculation:
 
     def on_verified(self, request_id: int, num_computed: int) -> None:
         self.proposer.on_verified(request_id, num_computed)
+
+    def on_features(self, request_id: int, first: int, feats: torch.Tensor) -> None:
+        """The target's last hidden states of one sequence's tokens ``first, first + 1, ...`` (proposers
+        of a kind registered with ``features=True``)."""
+        self.proposer.on_features(request_id, first, feats)
 
     def release(self, request: Request) -> None:
         """The request is preempted: its draft state goes (its acceptance estimate stays)."""

@@ -116,13 +116,20 @@ class Engine:
                  compile_in_background: bool = False):
         self.model, self.tokenizer = model, tokenizer
         calibration = _calibration_ids(weight_calibration, weight_dtype, tokenizer)
+        from .proposers import kind_of
+
+        kind = kind_of(draft)
+        if draft_tree is None and kind is not None:
+            draft_tree = kind.default_tree
         tree = None
         if draft_tree is not None:
             if draft is None:
                 raise ValueError(f"draft_tree={draft_tree!r} is given without a draft")
             tree = parse_tree(draft_tree, MAX_TREE_NODES - 1)
+        self._features = kind is not None and kind.features  # the proposer reads the target's hidden states
         options = BackendOptions(kv_dtype=kv_dtype, weight_dtype=weight_dtype, weight_calibration=calibration,
                                  page_size=page_size, tree_nodes=0 if tree is None else 1 + tree.scratch_nodes,
+                                 hidden_states=self._features,
                                  passes=tuple(passes), dump_dir=dump_dir, self_check=self_check, lowering=lowering)
         t0 = time.perf_counter()
         self.program: DecoderProgram = compile_decoder(model, options, progress=progress)
@@ -480,16 +487,18 @@ class Engine:
             want.append(list(range(n)) if extra else [n - 1] if c.wants_logits else [])
         meta = AttentionMetadata.build(seqs, self.page_size, want, trees, self.program.tree_words if trees else 0)
         t_forward = time.perf_counter()
-        logits = self.program(torch.tensor(ids, dtype=torch.long), meta, self.kv_cache)
+        logits = self.program(torch.tensor(ids, dtype=torch.long), meta, self.kv_cache, return_hidden=self._features)
+        logits, hidden = logits if self._features else (logits, None)
         if logits.device.type != "cpu":  # sampling and verification decide on the host
             logits = logits.cpu()
         t_back = time.perf_counter()
         self._stats["target_forwards"] += 1
         self._stats["kv_pool_peak_usage"] = max(self._stats["kv_pool_peak_usage"], self.kv.usage)
-        row = 0
-        for c, rows, decode in zip(chunks, want, decoding):
+        row = offset = 0  # (the chunk's first logits row, and its first stream token)
+        for c, rows, decode, (_, _, fed) in zip(chunks, want, decoding, seqs):
             r = c.request
             rid = r.request_id
+            offset += fed
             if r.finished:  # aborted by an on_token callback earlier in this loop
                 row += len(rows)
                 continue
@@ -501,13 +510,15 @@ class Engine:
                 if path != list(range(1, len(path) + 1)):  # tree nodes off the chain's cache indices
                     keep_path(self.kv_cache, self.kv.slot_mapping(rid, c.start, max(path) + 1), path)
                 token_logits = token_logits[[0] + path]  # row i: the distribution of new token i
+                if hidden is not None:  # the features of the fed token and the accepted drafts
+                    self.speculation.on_features(rid, c.start, hidden[[offset - fed + m for m in [0] + path]])
                 # cached now: the last token + the accepted drafts (the final token is not yet fed)
                 r.num_computed = c.start + len(new_tokens)
                 self.kv.truncate(rid, r.num_computed)
-            elif rows:
-                new_tokens = [sample(logits[row], r.params, r.generator)]
             else:
-                new_tokens = []
+                new_tokens = [sample(logits[row], r.params, r.generator)] if rows else []
+                if hidden is not None:
+                    self.speculation.on_features(rid, c.start, hidden[offset - fed:offset - fed + c.num_tokens])
             row += len(rows)
             emitted = 0
             for token, token_row in zip(new_tokens, token_logits):

@@ -1,4 +1,4 @@
-"""The hidden_states pass: the program also returns the LM head's input at the rows whose logits it returns
+"""The hidden_states pass: the program also returns the LM head's input of every token of the step
 (a draft head's features), found by structure; the logits stay what they were."""
 import pytest
 import torch
@@ -29,11 +29,11 @@ def check_hidden(model, vocab: int, lowering_steps: bool = False):
     cache = program.new_kv_cache(8)
     if lowering_steps:
         program.compile_steps(cache, table_width=4, buckets=(1, 4))
-    with torch.no_grad():  # a prefill of a (all rows) with b's first 5 tokens, then decodes of both
+    with torch.no_grad():  # a prefill of a (logits of every row) with b's first 5 tokens (its last row's)
         meta = AttentionMetadata.build([([1, 2], 0, 12), ([3], 0, 5)], 8, [list(range(12)), [4]])
         logits, hidden = program(torch.cat([a[:12], b[:5]]), meta, cache, return_hidden=True)
         want_a, want_b = lm_head_inputs(model, a, vocab), lm_head_inputs(model, b, vocab)
-        torch.testing.assert_close(hidden, torch.cat([want_a[:12], want_b[4:5]]), atol=2e-5, rtol=1e-5)
+        torch.testing.assert_close(hidden, torch.cat([want_a[:12], want_b[:5]]), atol=2e-5, rtol=1e-5)
         torch.testing.assert_close(logits, program(torch.cat([a[:12], b[:5]]), meta, cache), atol=0, rtol=0)
         meta = AttentionMetadata.build([([1, 2], 12, 1), ([3], 5, 1)], 8, [[0], [0]])
         _, hidden = program(torch.stack([a[12], b[5]]), meta, cache, return_hidden=True)

@@ -7,19 +7,39 @@ module that registers; nothing else changes.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 from .base import Draft, DraftContext, DraftRequest, Proposer
 
-_KINDS: dict[str, tuple[Callable[[str, DraftContext], Proposer], str]] = {}  # kind -> (factory, spec help)
+
+@dataclass(frozen=True)
+class Kind:
+    """A registered ``draft=`` kind. ``features``: its proposers read the target's hidden states (the engine
+    compiles the target with ``hidden_states`` and calls ``proposer.on_features``); ``default_tree``: the
+    token-tree shape it drafts when the engine is given none."""
+
+    factory: Callable[[str, DraftContext], Proposer]
+    spec_help: str
+    features: bool = False
+    default_tree: str | None = None
+
+
+_KINDS: dict[str, Kind] = {}
 _MODULE_FACTORY: list[Callable[[torch.nn.Module, DraftContext], Proposer]] = []
 
 
-def register_proposer(kind: str, factory: Callable[[str, DraftContext], Proposer], spec_help: str) -> None:
-    """Make ``draft="<kind>"`` / ``"<kind>:<arg>"`` build ``factory(arg, ctx)``."""
-    _KINDS[kind] = (factory, spec_help)
+def register_proposer(kind: str, factory: Callable[[str, DraftContext], Proposer], spec_help: str,
+                      features: bool = False, default_tree: str | None = None) -> None:
+    """Make ``draft="<kind>"`` / ``"<kind>:<arg>"`` build ``factory(arg, ctx)`` (see :class:`Kind`)."""
+    _KINDS[kind] = Kind(factory, spec_help, features, default_tree)
+
+
+def kind_of(draft) -> Kind | None:
+    """The registered kind of a string spec (None for modules, ready proposers and unknown kinds)."""
+    return _KINDS.get(draft.partition(":")[0]) if isinstance(draft, str) else None
 
 
 def register_draft_model(factory: Callable[[torch.nn.Module, DraftContext], Proposer]) -> None:
@@ -29,7 +49,7 @@ def register_draft_model(factory: Callable[[torch.nn.Module, DraftContext], Prop
 
 def specs() -> list[str]:
     """The accepted ``draft=`` forms, for error messages and help."""
-    return [help for _, help in _KINDS.values()] + ["an nn.Module draft model with the target's vocabulary",
+    return [k.spec_help for k in _KINDS.values()] + ["an nn.Module draft model with the target's vocabulary",
                                                     "an object implementing Proposer"]
 
 
@@ -44,10 +64,10 @@ def make_proposer(draft, ctx: DraftContext) -> Proposer:
     kind, _, arg = draft.partition(":") if isinstance(draft, str) else ("", "", "")
     if kind not in _KINDS:
         raise ValueError(f"draft={draft!r} is not supported; valid: {', '.join(specs())}")
-    return _KINDS[kind][0](arg, ctx)
+    return _KINDS[kind].factory(arg, ctx)
 
 
-from . import model, ngram  # noqa: E402  (each registers its kinds on import)
+from . import eagle, model, ngram  # noqa: E402  (each registers its kinds on import)
 
-__all__ = ["Draft", "DraftContext", "DraftRequest", "Proposer", "make_proposer", "register_proposer",
-           "register_draft_model", "specs", "model", "ngram"]
+__all__ = ["Draft", "DraftContext", "DraftRequest", "Kind", "Proposer", "make_proposer", "register_proposer",
+           "register_draft_model", "kind_of", "specs", "eagle", "model", "ngram"]

@@ -1,0 +1,243 @@
+"""The EAGLE draft head: one decoder layer that drafts in the target's feature space.
+
+Slots and features
+------------------
+``f_t`` is the target's last hidden state (the LM head's input) at token ``t``: its logits give token
+``t + 1``. The head's slot ``t`` holds the pair ``(x_t, f_{t-1})``: ``fc([embed(x_t); f_{t-1}])``
+goes through one decoder layer (attention over the slots before it, then an MLP), and the layer's
+output ``g_t`` predicts ``f_t``, so ``lm_head(g_t)`` drafts token ``t + 1``. Drafting further feeds
+``(drafted token, g)`` pairs. A slot's content depends only on tokens ``0..t``, so the head's cache
+can live in the target's pages: blocks shared by a prefix hold valid head K/V for every sequence
+that shares them. (Slot 0 has no feature; it gets zeros.)
+
+Shared, not copied: the token embedding and the LM head are the target's own tensors. The head
+drafts over a reduced vocabulary (``draft_ids``: the most frequent next tokens of its training
+data, as FR-Spec and EAGLE-3 do), so a draft step's LM head is ``len(draft_ids) / vocab`` of the
+target's; the rows of the target's LM head for it are gathered once at :meth:`attach`.
+Verification stays exact over the full vocabulary.
+
+Two forwards share the layer's math: :meth:`forward_paged` (inference, through the paged
+attention kernel with token-tree masks) and :meth:`unrolled` (training and held-out evaluation:
+``steps`` drafting steps from every slot at once, as EAGLE-3's training-time test).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+FORMAT = 1
+
+
+@dataclass(frozen=True)
+class EagleConfig:
+    """Shapes of a head, and what it was made for and from (stored beside the weights as JSON)."""
+
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab_size: int  # the target's
+    draft_vocab: int  # len(draft_ids)
+    rope_theta: float = 10000.0
+    rms_eps: float = 1e-5
+    target: dict = field(default_factory=dict)  # target_fingerprint(...) of the target it was distilled from
+    recipe: dict = field(default_factory=dict)  # data recipe, steps, measured acceptance (distill's record)
+
+
+class EagleHead(nn.Module):
+    def __init__(self, cfg: EagleConfig):
+        super().__init__()
+        self.cfg = cfg
+        h, d = cfg.hidden, cfg.head_dim
+        self.fc = nn.Linear(2 * h, h)
+        self.q_proj = nn.Linear(h, cfg.heads * d, bias=False)
+        self.k_proj = nn.Linear(h, cfg.kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(h, cfg.kv_heads * d, bias=False)
+        self.o_proj = nn.Linear(cfg.heads * d, h, bias=False)
+        self.mlp_norm = nn.RMSNorm(h, eps=cfg.rms_eps)
+        self.gate_proj = nn.Linear(h, cfg.intermediate, bias=False)
+        self.up_proj = nn.Linear(h, cfg.intermediate, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate, h, bias=False)
+        self.register_buffer("draft_ids", torch.arange(cfg.draft_vocab, dtype=torch.long))
+        self.embed: torch.Tensor | None = None  # [vocab, h]: the target's, by reference (attach)
+        self.draft_lm: torch.Tensor | None = None  # [draft_vocab, h]: the target's LM head rows of draft_ids
+
+    # ------------------------------------------------------------------ target
+    def attach(self, embed: torch.Tensor, lm_head: torch.Tensor) -> "EagleHead":
+        """Use the target's token embedding and LM head (``[vocab, hidden]`` each); clear errors on a mismatch."""
+        cfg = self.cfg
+        for name, w in (("embedding", embed), ("LM head", lm_head)):
+            if w.shape != (cfg.vocab_size, cfg.hidden):
+                raise ValueError(f"EAGLE head for vocabulary {cfg.vocab_size} and hidden size {cfg.hidden}; the "
+                                 f"target's {name} is {tuple(w.shape)}: this head was made for another model")
+        self.embed = embed.detach()
+        self.draft_lm = lm_head.detach().index_select(0, self.draft_ids.to(lm_head.device)).to(self.fc.weight.dtype)
+        return self
+
+    def draft_logits(self, g: torch.Tensor) -> torch.Tensor:
+        """``[..., draft_vocab]`` logits over the draft vocabulary of predicted features ``g``."""
+        return g @ self.draft_lm.T
+
+    # ------------------------------------------------------------- the layer
+    def _inputs(self, ids: torch.Tensor, feats: torch.Tensor) -> torch.Tensor:
+        e = F.embedding(ids, self.embed).to(feats.dtype)
+        return self.fc(torch.cat([e, feats], dim=-1))
+
+    def _qkv(self, x: torch.Tensor, positions: torch.Tensor):
+        cfg = self.cfg
+        shape = x.shape[:-1]
+        q = self.q_proj(x).view(*shape, cfg.heads, cfg.head_dim)
+        k = self.k_proj(x).view(*shape, cfg.kv_heads, cfg.head_dim)
+        v = self.v_proj(x).view(*shape, cfg.kv_heads, cfg.head_dim)
+        cos, sin = rotary(positions, cfg.head_dim, cfg.rope_theta, x.dtype)
+        return rotate(q, cos, sin), rotate(k, cos, sin), v
+
+    def _finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        h = x + self.o_proj(attn.reshape(*x.shape[:-1], -1))
+        m = self.mlp_norm(h)
+        return h + self.down_proj(F.silu(self.gate_proj(m)) * self.up_proj(m))
+
+    # ------------------------------------------------------------- inference
+    def forward_paged(self, ids: torch.Tensor, feats: torch.Tensor, meta, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor) -> torch.Tensor:
+        """Predicted features ``[N, hidden]`` of a stream of pairs ``(ids[i], feats[i])`` at ``meta``'s slots
+        and positions (a ``compiler.program.AttentionMetadata``; its ``tree_mask`` makes a token tree);
+        the pairs' K/V are written to the head's cache first."""
+        import specgraph.kernels.ops  # noqa: F401  (registers specgraph::cache_write / paged_attention)
+
+        x = self._inputs(ids, feats)
+        q, k, v = self._qkv(x, meta.positions)
+        torch.ops.specgraph.cache_write(k.contiguous(), v.contiguous(), k_cache, v_cache, meta.slot_mapping)
+        attn = torch.ops.specgraph.paged_attention(
+            q.contiguous(), k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, meta.positions,
+            1.0 / math.sqrt(self.cfg.head_dim), 0, 0.0, None, meta.tree_mask)
+        return self._finish(x, attn)
+
+    def new_cache(self, num_blocks: int, page_size: int, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        shape = (num_blocks, page_size, self.cfg.kv_heads, self.cfg.head_dim)
+        return torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype)
+
+    # -------------------------------------------------------------- training
+    def unrolled(self, ids: torch.Tensor, feats: torch.Tensor, steps: int) -> list[torch.Tensor]:
+        """``steps`` drafting steps from every slot of ``B`` sequences at once: ``[g_1, ..., g_steps]``, each
+        ``[B, T, hidden]``; ``g_j[:, s]`` predicts ``f_{s+j-1}`` (so drafts token ``s + j``).
+
+        Step 1 is the teacher-forced layer over the true pairs ``(x_s, f_{s-1})``. Step ``j > 1`` of the
+        chain started at slot ``s`` feeds ``(x_{s+j-1}, g_{j-1}[s])`` at position ``s + j - 1``, attending
+        to the true slots ``<= s`` and to its own chain's earlier steps, exactly what inference does
+        while every draft so far was accepted. ``ids``/``feats``: ``[B, T]`` / ``[B, T, hidden]``.
+        """
+        cfg = self.cfg
+        b, t = ids.shape
+        rep = cfg.heads // cfg.kv_heads
+        scale = 1.0 / math.sqrt(cfg.head_dim)
+        prev = torch.cat([feats.new_zeros(b, 1, cfg.hidden), feats[:, :-1]], dim=1)  # f_{s-1}
+        pos = torch.arange(t, device=ids.device)
+        causal = torch.ones(t, t, dtype=torch.bool, device=ids.device).tril()
+        chain_k, chain_v, out = [], [], []
+        for j in range(steps):
+            tok = ids if j == 0 else torch.cat([ids[:, j:], ids.new_zeros(b, j)], dim=1)  # x_{s+j}
+            x = self._inputs(tok, prev)
+            q, k, v = self._qkv(x, pos + j)
+            q = q.transpose(1, 2)  # [B, H, T, D]
+            k, v = (u.transpose(1, 2).repeat_interleave(rep, 1) for u in (k, v))
+            if j == 0:
+                k0, v0 = k, v  # the true slots
+            else:
+                chain_k.append(k)
+                chain_v.append(v)
+            scores = [(q @ k0.transpose(-1, -2) * scale).masked_fill(~causal, float("-inf"))]
+            scores += [(q * kk).sum(-1, keepdim=True) * scale for kk in chain_k]  # the chain's steps 2..j
+            p = torch.softmax(torch.cat(scores, dim=-1), dim=-1)
+            attn = p[..., :t] @ v0
+            for i, vv in enumerate(chain_v):
+                attn = attn + p[..., t + i:t + i + 1] * vv
+            g = self._finish(x, attn.transpose(1, 2))
+            out.append(g)
+            prev = g
+        return out
+
+
+def rotary(positions: torch.Tensor, dim: int, theta: float, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cos``/``sin`` ``[..., 1, dim]`` for rotate-half rotary embeddings at ``positions``."""
+    inv = 1.0 / theta ** (torch.arange(0, dim, 2, device=positions.device, dtype=torch.float32) / dim)
+    angles = positions.to(torch.float32)[..., None] * inv
+    angles = torch.cat([angles, angles], dim=-1)[..., None, :]
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+
+
+# ------------------------------------------------------------------ the target
+def target_vocab_weights(model: nn.Module, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's token embedding and LM head weights (``[vocab, hidden]`` each), by structure: the
+    ``nn.Embedding`` with ``vocab`` rows and the last ``nn.Linear`` with ``vocab`` outputs."""
+    embeds = [m for m in model.modules() if isinstance(m, nn.Embedding) and m.num_embeddings == vocab]
+    heads = [m for m in model.modules() if isinstance(m, nn.Linear) and m.out_features == vocab]
+    if not embeds or not heads:
+        raise ValueError(f"an EAGLE head needs the target's token embedding and LM head ({vocab} rows); found "
+                         f"{len(embeds)} embedding(s) and {len(heads)} LM head(s)")
+    if heads[-1].bias is not None:
+        raise ValueError("an EAGLE head drafts with the target's LM head: one with a bias is not supported")
+    return embeds[0].weight, heads[-1].weight
+
+
+def target_fingerprint(model: nn.Module, vocab: int) -> dict:
+    """What identifies the target a head was distilled from: its sizes and a digest of its LM head."""
+    embed, lm = target_vocab_weights(model, vocab)
+    digest = hashlib.blake2b(lm.detach().float().contiguous().cpu().numpy().tobytes(), digest_size=8).hexdigest()
+    return {"vocab_size": vocab, "hidden": int(lm.shape[1]), "lm_head_digest": digest}
+
+
+# ------------------------------------------------------------------- storage
+def save_head(head: EagleHead, path: str | Path, dtype: torch.dtype = torch.float16) -> Path:
+    """``path`` (``.safetensors``) + ``path.json`` (the config); weights in ``dtype`` (draft ids as int32)."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tensors = {k: (v.to(torch.int32) if k == "draft_ids" else v.to(dtype)).contiguous()
+               for k, v in head.state_dict().items()}
+    save_file(tensors, str(path), metadata={"format": str(FORMAT)})
+    config_path(path).write_text(json.dumps({"format": FORMAT, **asdict(head.cfg)}, indent=1))
+    return path
+
+
+def config_path(path: str | Path) -> Path:
+    path = Path(path)
+    return path.with_name(path.name + ".json")
+
+
+def load_head(path: str | Path, dtype: torch.dtype = torch.float32, device="cpu") -> EagleHead:
+    """A saved head; ``ValueError`` naming the file when it is missing, malformed or of another format."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    cfg_file = config_path(path)
+    if not path.is_file() or not cfg_file.is_file():
+        raise ValueError(f"EAGLE head {path}: needs {path.name} and {cfg_file.name} (made by `specgraph distill`)")
+    try:
+        raw = json.loads(cfg_file.read_text())
+        if raw.pop("format", None) != FORMAT:
+            raise ValueError(f"format is not {FORMAT}")
+        cfg = EagleConfig(**raw)
+        tensors = load_file(str(path))
+        head = EagleHead(cfg)
+        missing = set(head.state_dict()) ^ set(tensors)
+        if missing:
+            raise ValueError(f"tensors {sorted(missing)} missing or unexpected")
+        head.load_state_dict({k: v.to(torch.long) if k == "draft_ids" else v for k, v in tensors.items()})
+    except Exception as e:  # (safetensors raises its own error type for a damaged file)
+        raise ValueError(f"EAGLE head {path} is malformed: {e}") from e
+    return head.to(device=device, dtype=dtype)

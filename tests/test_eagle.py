@@ -1,0 +1,162 @@
+"""EAGLE heads: the training-time unrolled drafting equals the paged inference path, a tiny
+``distill`` runs end to end (the loss falls, the head loads), drafting with it is lossless (greedy
+identical, sampling keeps the target's distribution) and a head for another model is refused."""
+import json
+
+import pytest
+import torch
+
+import specgraph
+from specgraph.compiler.program import AttentionMetadata
+from specgraph.runtime.heads.distill import Recipe, distill, init_from_target_layer, step_losses, target_head_config
+from specgraph.runtime.heads.eagle import EagleHead, load_head, target_vocab_weights
+from models import tiny_llama
+from test_speculative import _exact_marginals, _passes, _peaky
+
+VOCAB = 96
+
+
+def _head(model, vocab, draft_vocab, seed=0):
+    torch.manual_seed(seed)
+    head = EagleHead(target_head_config(model, vocab, draft_vocab))
+    head.draft_ids.copy_(torch.randperm(vocab)[:draft_vocab].sort().values)
+    return head.attach(*target_vocab_weights(model, vocab)).eval()
+
+
+def test_unrolled_training_drafts_equal_the_paged_inference_path():
+    """Step j of ``unrolled`` at slot s is what inference computes when it feeds the true slots <= s and
+    then its own chain (the pair of each drafted step at the next cache slot)."""
+    model = tiny_llama(vocab=VOCAB)
+    head = _head(model, VOCAB, 40)
+    gen = torch.Generator().manual_seed(3)
+    t, steps, page = 14, 3, 4
+    ids = torch.randint(0, VOCAB, (1, t), generator=gen)
+    feats = torch.randn(1, t, head.cfg.hidden, generator=gen)
+    with torch.no_grad():
+        outs = head.unrolled(ids, feats, steps)
+        table = list(range(1, 8))
+        for s in (0, 5, 9):
+            k_cache, v_cache = head.new_cache(8, page, "cpu", torch.float32)
+            prev = torch.cat([torch.zeros(1, head.cfg.hidden), feats[0, :s]])  # slot t takes f_{t-1}
+            meta = AttentionMetadata.build([(table, 0, s + 1)], page, [[s]])
+            g = head.forward_paged(ids[0, :s + 1], prev, meta, k_cache, v_cache)[s]
+            torch.testing.assert_close(g, outs[0][0, s], atol=1e-5, rtol=1e-5)
+            for j in range(1, steps):  # the chain's step j: (x_{s+j}, g_{j-1}) at slot s + j
+                meta = AttentionMetadata.build([(table, s + j, 1)], page, [[0]])
+                g = head.forward_paged(ids[0, s + j:s + j + 1], g[None], meta, k_cache, v_cache)[0]
+                torch.testing.assert_close(g, outs[j][0, s], atol=1e-5, rtol=1e-5)
+
+
+def _patterned(vocab, seed=0):
+    """Prompts and texts made of a few repeated phrases: something a head can learn in seconds."""
+    gen = torch.Generator().manual_seed(seed)
+    phrases = [torch.randint(0, vocab, (7,), generator=gen).tolist() for _ in range(5)]
+    prompts = [phrases[i % 5] + phrases[(i + 1) % 5] for i in range(20)]
+    texts = [sum((phrases[(i + j) % 5] for j in range(6)), []) for i in range(10)]
+    return prompts, texts
+
+
+@pytest.fixture(scope="module")
+def tiny_head(tmp_path_factory):
+    model = tiny_llama(vocab=VOCAB)
+    prompts, texts = _patterned(VOCAB)
+    out = tmp_path_factory.mktemp("eagle") / "head.safetensors"
+    record = distill(model, None, out=out, prompts=prompts, texts=texts, progress=False, log=lambda _: None,
+                     recipe=Recipe(steps=150, batch=4, window=32, draft_vocab=48, max_new_tokens=12, lr=3e-3))
+    return model, out, record
+
+
+def test_tiny_distill_runs_end_to_end_and_the_loss_falls(tiny_head):
+    model, out, record = tiny_head
+    assert record["steps"] == 150 and record["data"]["sequences"] == 30
+    assert record["loss"] < record["first_loss"] * 0.7, record  # (means of the first and the last 20 steps)
+    assert len(record["heldout_acceptance_by_position"]) == 5
+    cfg = json.loads((out.parent / (out.name + ".json")).read_text())
+    assert cfg["draft_vocab"] == 48 and cfg["vocab_size"] == VOCAB and cfg["recipe"]["steps"] == 150
+    head = load_head(out)
+    assert head.draft_ids.tolist() == sorted(set(head.draft_ids.tolist()))
+    assert out.stat().st_size < 2 << 20  # float16
+
+
+def test_resume_continues_from_the_checkpoint(tiny_head, tmp_path):
+    model, out, _ = tiny_head
+    prompts, texts = _patterned(VOCAB)
+    copy = tmp_path / "head.safetensors"
+    for suffix in (".data.pt", ".ckpt.pt"):
+        (tmp_path / ("head.safetensors" + suffix)).write_bytes((out.parent / (out.name + suffix)).read_bytes())
+    record = distill(model, None, out=copy, prompts=prompts, texts=texts, progress=False, log=lambda _: None,
+                     resume=True, recipe=Recipe(steps=160, batch=4, window=32, draft_vocab=48, max_new_tokens=12))
+    assert record["steps"] == 160 and record["first_step"] == 150  # ten more steps, the data reused
+
+
+@pytest.mark.parametrize("tree", ["dynamic:6", None])
+def test_eagle_drafting_is_lossless_greedy(tiny_head, tree):
+    model, out, _ = tiny_head
+    prompts, _ = _patterned(VOCAB, seed=0)
+    plain = specgraph.Engine(model, num_blocks=64, page_size=8)
+    spec = specgraph.Engine(model, num_blocks=64, page_size=8, draft=f"eagle:{out}")
+    assert spec.draft_tree == "dynamic:16" and not spec.adaptive  # the kind's default tree
+    spec.draft_tree = tree
+    for batch in (prompts[:1], prompts[3:7]):
+        want = [r.token_ids for r in plain.generate(batch, max_new_tokens=16, ignore_eos=True)]
+        got = [r.token_ids for r in spec.generate(batch, max_new_tokens=16, ignore_eos=True)]
+        assert got == want
+    assert spec.stats["draft_tokens"] > 0 and spec.stats["mean_accepted_tokens"] > 1.2  # it learned the phrases
+    # prefix caching (a shared prompt's blocks: the head's K/V there is reused) and forks stay exact
+    shared = prompts[0] * 3
+    a = spec.generate([shared, shared + prompts[1]], max_new_tokens=12, ignore_eos=True)
+    b = plain.generate([shared, shared + prompts[1]], max_new_tokens=12, ignore_eos=True)
+    assert [r.token_ids for r in a] == [r.token_ids for r in b] and spec.stats["cached_prompt_tokens"] > 0
+
+
+@pytest.mark.parametrize("tree", [None, "static:2,1"])
+def test_eagle_sampling_keeps_the_target_distribution(tmp_path, tree):
+    """The chi-square test of test_speculative with a tiny head on its small-vocabulary target: chains
+    (rejection sampling with the head's q, zero outside its draft vocabulary) and trees."""
+    target = _peaky(0)
+    prompt = [1, 5, 2, 7]
+    marginals = _exact_marginals(target, prompt, 3)
+    gen = torch.Generator().manual_seed(0)
+    out = tmp_path / "head.safetensors"
+    distill(target, None, out=out, prompts=[torch.randint(0, 8, (6,), generator=gen).tolist() for _ in range(8)],
+            texts=[torch.randint(0, 8, (24,), generator=gen).tolist() for _ in range(4)], progress=False,
+            log=lambda _: None, recipe=Recipe(steps=20, batch=4, window=16, draft_vocab=6, max_new_tokens=8))
+    n = 3000
+    engine = specgraph.Engine(target, num_blocks=n + 8, page_size=8, max_num_seqs=n, draft=f"eagle:{out}",
+                              max_tokens_per_step=n * 12, prefix_caching=False)
+    engine.draft_tree = tree
+    results = engine.generate([prompt] * n, max_new_tokens=3, temperature=1.0, seed=1, ignore_eos=True)
+    assert engine.stats["draft_tokens"] > 0
+    assert _passes(torch.tensor([r.token_ids for r in results]), marginals)
+
+
+def test_a_head_for_another_model_is_refused(tiny_head, tmp_path):
+    _, out, _ = tiny_head
+    other = tiny_llama(vocab=VOCAB + 32)
+    with pytest.raises(ValueError, match=f"vocabulary {VOCAB}.*made for another model"):
+        specgraph.Engine(other, num_blocks=16, page_size=8, draft=f"eagle:{out}")
+    with pytest.raises(ValueError, match="hidden size"):
+        specgraph.Engine(tiny_llama(vocab=VOCAB, hidden=48), num_blocks=16, page_size=8, draft=f"eagle:{out}")
+
+
+def test_malformed_or_missing_heads_are_clear_errors(tiny_head, tmp_path):
+    model, out, _ = tiny_head
+    with pytest.raises(ValueError, match="made by `specgraph distill`"):
+        specgraph.Engine(model, num_blocks=16, page_size=8, draft=f"eagle:{tmp_path / 'none.safetensors'}")
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(out.read_bytes()[:200])
+    (tmp_path / "bad.safetensors.json").write_text((out.parent / (out.name + ".json")).read_text())
+    with pytest.raises(ValueError, match="bad.safetensors is malformed"):
+        specgraph.Engine(model, num_blocks=16, page_size=8, draft=f"eagle:{bad}")
+    with pytest.raises(ValueError, match="no EAGLE head is shipped for this model.*specgraph distill"):
+        specgraph.Engine(model, num_blocks=16, page_size=8, draft="eagle")
+
+
+def test_the_head_starts_from_the_targets_last_layer():
+    model = tiny_llama(vocab=VOCAB)
+    head = _head(model, VOCAB, 32)
+    assert init_from_target_layer(head, model, model.config.num_hidden_layers)
+    torch.testing.assert_close(head.down_proj.weight, model.model.layers[-1].mlp.down_proj.weight)
+    ids = torch.randint(0, VOCAB, (2, 9))
+    losses = step_losses(head, ids, torch.randn(2, 9, head.cfg.hidden), torch.tensor([9, 6]), unroll=2)
+    assert len(losses) == 2 and all(torch.isfinite(l) for l, _ in losses)
