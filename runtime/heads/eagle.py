@@ -23,6 +23,7 @@ attention kernel with token-tree masks) and :meth:`unrolled` (training and held-
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
 import math
 from dataclasses import asdict, dataclass, field
@@ -111,8 +112,7 @@ class EagleHead(nn.Module):
         """Predicted features ``[N, hidden]`` of a stream of pairs ``(ids[i], feats[i])`` at ``meta``'s slots
         and positions (a ``compiler.program.AttentionMetadata``; its ``tree_mask`` makes a token tree);
         the pairs' K/V are written to the head's cache first."""
-        import specgraph.kernels.ops  # noqa: F401  (registers specgraph::cache_write / paged_attention)
-
+        importlib.import_module("specgraph.kernels")  # registers specgraph::cache_write / paged_attention
         x = self._inputs(ids, feats)
         q, k, v = self._qkv(x, meta.positions)
         torch.ops.specgraph.cache_write(k.contiguous(), v.contiguous(), k_cache, v_cache, meta.slot_mapping)
