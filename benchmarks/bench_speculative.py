@@ -11,6 +11,8 @@ Everything is measured in one process, one run, and printed as one table plus la
      - ``none``           specgraph Engine without speculation,
      - ``ngram``          specgraph prompt-lookup drafting (k = 2, 4, 6),
      - ``layer_skip:K``   specgraph self-drafting with the target's first K layers (k = 2, 4, 6),
+     - ``eagle``          specgraph's EAGLE head (``--eagle``: the shipped one by default) drafting
+                          chains (k = 2, 4, 6) and, as ``eagle-tree``, its default token tree,
      - ``hf-eager``       ``model.generate`` (HF dynamic cache),
      - ``hf-pld``         ``model.generate(prompt_lookup_num_tokens=k)`` (HF prompt lookup decoding),
    at temperature 0 (greedy) and 0.8 (seeded sampling; top-k/top-p off in both libraries). HF
@@ -59,7 +61,9 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 
 from common import fmt, format_table, load_average, log, median, print_report, quiet_torch  # noqa: E402
-from prompts import PROMPTS, WARMUP_PROMPT  # noqa: E402
+from prompts import HELDOUT_CODE_PROMPTS, HELDOUT_CHAT_PROMPTS, PROMPTS, WARMUP_PROMPT  # noqa: E402
+
+HELDOUT_PROMPTS = [("code", p) for p in HELDOUT_CODE_PROMPTS] + [("chat", p) for p in HELDOUT_CHAT_PROMPTS]
 
 GREEDY, SAMPLED = 0.0, 0.8
 VERIFY_CONTEXT = 256
@@ -74,7 +78,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default 2)")
     p.add_argument("--new-tokens", type=int, default=None, help="new tokens per prompt (default 128; --quick 24)")
     p.add_argument("--layer-skip", type=int, default=8, metavar="K",
-                   help="layers of the layer_skip drafter (default 8)")
+                   help="layers of the layer_skip drafter (default 8; 0 leaves its rows out)")
     p.add_argument("--quick", action="store_true",
                    help="smoke test: 2 prompts (1 code, 1 chat), 24 tokens, k in {2,4}, verify curve k in {1,2,4,8}")
     p.add_argument("--verify-reps", type=int, default=None,
@@ -85,19 +89,24 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--retry-busy", type=int, default=2, metavar="ROUNDS",
                    help="rounds of re-running (row, prompt) pairs whose every run was taken while other processes "
                         f"used > {BUSY_CORES} core (default 2; 0: off)")
+    p.add_argument("--eagle", default="eagle", metavar="SPEC",
+                   help="the EAGLE rows' draft spec (default 'eagle': the shipped head; '' leaves them out)")
+    p.add_argument("--prompt-set", default="tuning", choices=("tuning", "heldout"),
+                   help="PROMPTS (what the defaults were tuned on) or the HELDOUT ones (never tuned on)")
     p.add_argument("--json", default=None, metavar="PATH", help="also save the results as JSON")
     a = p.parse_args(argv)
     a.new_tokens = a.new_tokens or (24 if a.quick else 128)
     a.ks = [2, 4] if a.quick else [2, 4, 6]
     a.verify_ks = [1, 2, 4, 8] if a.quick else list(range(1, 17))
     a.verify_reps = a.verify_reps or (5 if a.quick else 10)
-    a.prompts = [PROMPTS[0], PROMPTS[3]] if a.quick else list(PROMPTS)  # quick: one code, one chat
+    chosen = list(PROMPTS) if a.prompt_set == "tuning" else HELDOUT_PROMPTS
+    a.prompts = [chosen[0], next(p for p in chosen if p[0] == "chat")] if a.quick else chosen  # quick: 1 code, 1 chat
     if a.new_tokens < 2:
         p.error("--new-tokens must be >= 2")
     if a.repeats < 1:
         p.error("--repeats must be >= 1")
-    if a.layer_skip < 1:
-        p.error("--layer-skip must be >= 1")
+    if a.layer_skip < 0:
+        p.error("--layer-skip must be >= 0 (0 leaves the layer_skip rows out)")
     return a
 
 
@@ -144,18 +153,21 @@ class CpuMeter:
 # ============================================================================ the cells
 def make_cells(args) -> list[dict]:
     """Every (mode, k, temperature) row of the table, in table order."""
-    ls = f"layer_skip:{args.layer_skip}"
+    ls = (f"layer_skip:{args.layer_skip}",) if args.layer_skip else ()
     cells = []
     for temp in (GREEDY, SAMPLED):
         cells.append(dict(mode="none", kind="sg", engine="none", k=None, temp=temp))
-        for proposer in ("ngram", ls):
+        for proposer in ("ngram",) + ls + (("eagle",) if args.eagle else ()):
             for k in args.ks:
                 cells.append(dict(mode=proposer, kind="sg", engine=proposer, k=k, temp=temp))
+        if args.eagle:  # the head's own default tree
+            cells.append(dict(mode="eagle-tree", kind="sg", engine="eagle", k=None, temp=temp, tree="default"))
         cells.append(dict(mode="hf-eager", kind="hf", engine=None, k=None, temp=temp))
         if temp == GREEDY:  # hf-pld: greedy only (see the module docstring)
             for k in args.ks:
                 cells.append(dict(mode="hf-pld", kind="hf", engine=None, k=k, temp=temp))
     for c in cells:
+        c.setdefault("tree", None)
         c["key"] = (c["mode"], c["k"], c["temp"])
         c["runs"] = []  # every timed run: dict(prompt, group, rep, elapsed_s, tokens, draft, accepted, steps, ...)
     return cells
@@ -223,9 +235,12 @@ def hf_run(model, ids: list[int], n: int, temp: float, k: int | None, seed: int,
 
 
 # ================================================================== specgraph runner
-def sg_run(engine, ids: list[int], n: int, temp: float, k: int | None, seed: int) -> dict:
+def sg_run(engine, ids: list[int], n: int, temp: float, k: int | None, seed: int, tree: str | None = None) -> dict:
+    """One timed generate; ``k``: chains of k drafts; ``tree``: "default" (the engine's tree at build) or None."""
     if k is not None:
         engine.num_draft_tokens = k
+    if engine.proposer is not None and engine.program.max_tree_nodes:
+        engine.draft_tree = engine.default_tree if tree == "default" else None
     engine.reset_stats()
     t0 = time.perf_counter()
     res = engine.generate([ids], max_new_tokens=n, temperature=temp, seed=seed, ignore_eos=True)
@@ -234,12 +249,13 @@ def sg_run(engine, ids: list[int], n: int, temp: float, k: int | None, seed: int
     if len(tokens) != n:
         raise RuntimeError(f"specgraph generate made {len(tokens)} tokens, expected {n}")
     s = engine.stats
-    run = dict(elapsed_s=elapsed, tokens=tokens, forwards=s["target_forwards"])
-    if k is not None:
-        if s.get("num_draft_tokens") != k:
+    run = dict(elapsed_s=elapsed, tokens=tokens, forwards=s["target_forwards"], forward_s=s["forward_s"])
+    if k is not None or tree is not None:
+        if k is not None and s.get("num_draft_tokens") != k:
             raise RuntimeError(f"engine ran with num_draft_tokens={s.get('num_draft_tokens')}, expected {k}")
         run.update(draft=s["draft_tokens"], accepted=s["accepted_tokens"], steps=s["verify_steps"],
-                   emitted=s["verify_emitted"], cached_prompt_tokens=s["cached_prompt_tokens"])
+                   emitted=s["verify_emitted"], cached_prompt_tokens=s["cached_prompt_tokens"],
+                   draft_s=s["draft_s"], decode_forwards=s["decode_forwards"], decode_emitted=s["decode_emitted"])
     return run
 
 
@@ -254,6 +270,20 @@ def aggregate(runs: list[dict]) -> dict:
         out.update(draft_tokens=d, accepted_tokens=a, verify_steps=st,
                    acceptance_rate=a / d if d else 0.0, mean_accepted_tokens=em / st if st else float("nan"))
     return out
+
+
+def draft_costs(cells: list[dict]) -> list[str]:
+    """Per drafting row (greedy): seconds spent drafting per verify step, as a fraction of one target forward."""
+    lines = []
+    for c in cells:
+        runs = [r for r in c["runs"] if r.get("steps")]
+        if c["temp"] != GREEDY or not runs:
+            continue
+        draft = sum(r["draft_s"] for r in runs) / sum(r["steps"] for r in runs)
+        forward = sum(r["forward_s"] for r in runs) / sum(r["forwards"] for r in runs)
+        lines.append(f"  drafting cost {c['mode']} k={c['k'] or c['tree']}: {draft * 1e3:.2f} ms per verify step "
+                     f"= {draft / forward:.3f} of a target forward ({forward * 1e3:.1f} ms)")
+    return lines
 
 
 def first_mismatch(a: list[int], b: list[int]) -> int | None:
@@ -406,7 +436,9 @@ def main(argv=None) -> int:
     need = max(longest, VERIFY_CONTEXT + max(args.verify_ks))
     num_blocks = math.ceil(need / 16) + 8
     engines, compile_s = {}, {}
-    for name, draft in (("none", None), ("ngram", "ngram"), (ls_name, ls_name)):
+    drafts = (("none", None), ("ngram", "ngram")) + (((ls_name, ls_name),) if args.layer_skip else ()) \
+        + ((("eagle", args.eagle),) if args.eagle else ())
+    for name, draft in drafts:
         log(f"compiling Engine draft={draft}")
         t0 = time.perf_counter()
         engines[name] = specgraph.Engine(model, tokenizer=tok, page_size=16, prefix_caching=False,
@@ -415,13 +447,14 @@ def main(argv=None) -> int:
         compile_s[name] = time.perf_counter() - t0
         log(f"  built in {compile_s[name]:.1f} s")
     report["engine_build_s"] = compile_s
+    tree_names = {name: e.default_tree for name, e in engines.items() if e.default_tree}
     proposer_names = {name: e.stats.get("proposer") for name, e in engines.items()}
 
     def run_cell(c, ids):
         gc.collect()
         a = meter.snap()
         if c["kind"] == "sg":
-            run = sg_run(engines[c["engine"]], ids, n, c["temp"], c["k"], args.seed)
+            run = sg_run(engines[c["engine"]], ids, n, c["temp"], c["k"], args.seed, c["tree"])
         else:
             run = hf_run(model, ids, n, c["temp"], c["k"], args.seed, pad, pld)
         run["other_cpu_cores"] = meter.other_cores(a, meter.snap())
@@ -431,7 +464,7 @@ def main(argv=None) -> int:
     for c in cells:  # every engine at every k and temperature, every HF path (never on a timed prompt)
         log(f"warm-up {c['mode']} k={c['k']} t={c['temp']}")
         if c["kind"] == "sg":
-            sg_run(engines[c["engine"]], warm_ids, 8, c["temp"], c["k"], args.seed)
+            sg_run(engines[c["engine"]], warm_ids, 8, c["temp"], c["k"], args.seed, c["tree"])
         else:
             hf_run(model, warm_ids, 8, c["temp"], c["k"], args.seed, pad, pld)
 
@@ -511,7 +544,8 @@ def main(argv=None) -> int:
         star = "*" if c["mode"] == "hf-pld" else ""
         mark = {g: "!" if any(not clean(r) for r in c["runs"] + base["runs"] if r["group"] == g) else ""
                 for g in group_names}
-        rows.append([c["mode"], str(c["k"]) if c["k"] else "-", f"{c['temp']:g}",
+        rows.append([c["mode"], str(c["k"]) if c["k"] else tree_names.get(c["engine"], "-") if c["tree"] else "-",
+                     f"{c['temp']:g}",
                      fmt(agg["code"]["tok_s"] if agg["code"]["new_tokens"] else None) + mark["code"],
                      fmt(agg["chat"]["tok_s"] if agg["chat"]["new_tokens"] else None) + mark["chat"],
                      fmt(mat) + star if mat is not None else "-", fmt(acc, ".3f") + star if acc is not None else "-",
@@ -578,6 +612,9 @@ def main(argv=None) -> int:
                "speed-ups vs `none` (specgraph, no speculation) at the same temperature")
     out.append("  mean_accepted_tokens = tokens emitted per sequence per verify forward (accepted drafts + 1); "
                "acceptance_rate = accepted / proposed drafts; both over all prompts")
+    cost_lines = draft_costs(cells)
+    out.extend(cost_lines)
+    report["draft_cost"] = cost_lines
     out.append("  * hf-pld: from HF's prompt-lookup candidate generator: tokens per target forward = N / forwards "
                "(the prefill forward included), accepted = N - forwards")
     out.append("  hf-pld (model.generate(prompt_lookup_num_tokens=k)) is run greedy only; the temperature-0.8 HF row "

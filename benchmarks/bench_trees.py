@@ -44,16 +44,24 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--new-tokens", type=int, default=None, help="per prompt (default 64; --quick 24)")
     p.add_argument("--layer-skip", type=int, default=8, metavar="K", help="layers of the model drafter (default 8)")
+    p.add_argument("--drafts", default=None, help="comma-separated draft specs (default: ngram,layer_skip:K)")
+    p.add_argument("--shapes", default=",".join(SHAPES),
+                   help=f"comma-separated rows: 'chain K' or a draft_tree spec (default {','.join(SHAPES)})")
+    p.add_argument("--prompt-set", default="both", choices=("tuning", "heldout", "both"),
+                   help="the benchmark prompts, the held-out ones, or both (default)")
     p.add_argument("--temperatures", default="0", help="comma-separated (default 0: greedy)")
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--json", default=None, metavar="PATH")
-    return p.parse_args(argv)
+    a = p.parse_args(argv)
+    a.drafts = a.drafts.split(",") if a.drafts else ["ngram", f"layer_skip:{a.layer_skip}"]
+    a.shapes = [s.strip() for s in a.shapes.split(",") if s.strip()]
+    return a
 
 
-def prompt_set(tok, quick: bool) -> list[tuple[str, list[int]]]:
-    named = PROMPTS + [("heldout-code", p) for p in HELDOUT_CODE_PROMPTS] + \
-        [("heldout-chat", p) for p in HELDOUT_CHAT_PROMPTS]
+def prompt_set(tok, quick: bool, which: str = "both") -> list[tuple[str, list[int]]]:
+    named = (PROMPTS if which != "heldout" else []) + ([] if which == "tuning" else [
+        ("heldout-code", p) for p in HELDOUT_CODE_PROMPTS] + [("heldout-chat", p) for p in HELDOUT_CHAT_PROMPTS])
     if quick:
         named = [named[0], named[-1]]
     return [(group, chat_ids(tok, text)) for group, text in named]
@@ -91,16 +99,17 @@ def main(argv=None) -> int:
     n = args.new_tokens or (24 if args.quick else 64)
     temps = [float(t) for t in args.temperatures.split(",")]
     model, tok = specgraph.load_model(args.model)
-    prompts = prompt_set(tok, args.quick)
+    prompts = prompt_set(tok, args.quick, args.prompt_set)
     engines = {"none": specgraph.Engine(model, tokenizer=tok)}
     from specgraph.runtime.token_tree import parse_tree
 
-    largest = max((s for s in SHAPES if not s.startswith("chain")), key=lambda s: parse_tree(s, 10**6).scratch_nodes)
-    for draft in ("ngram", f"layer_skip:{args.layer_skip}"):
+    largest = max((s for s in args.shapes if not s.startswith("chain")),
+                  key=lambda s: parse_tree(s, 10**6).scratch_nodes)
+    for draft in args.drafts:
         log(f"building the {draft} engine (room for {largest}, the shape that writes the most nodes)")
         engines[draft] = specgraph.Engine(model, tokenizer=tok, draft=draft, draft_tree=largest, adaptive=False)
     warm = chat_ids(tok, WARMUP_PROMPT)
-    rows = [("none", "-")] + [(d, s) for d in engines if d != "none" for s in SHAPES]
+    rows = [("none", "-")] + [(d, s) for d in engines if d != "none" for s in args.shapes]
     for draft, shape in rows:
         if draft != "none":
             configure(engines[draft], shape)

@@ -88,6 +88,7 @@ class Speculation:
         self.adaptive = adaptive
         self.controller: SpeculationController | None = None
         self._kv, self._copy_blocks, self._measure_cost = kv, copy_blocks, measure_cost
+        self.draft_s = 0.0  # seconds spent in the proposer (engine.stats["draft_s"])
         self.tree: TreeShape | None = None
         self.set_tree(tree)
 
@@ -133,9 +134,11 @@ class Speculation:
             return {}
         t0 = time.perf_counter()
         proposals = self.proposer.propose(wanted + shadows)
+        drafting = time.perf_counter() - t0
+        self.draft_s += drafting
         drafts = dict(zip((w.request_id for w in wanted), proposals))
         if controller is not None:
-            controller.observe_draft(time.perf_counter() - t0, max(w.k for w in wanted + shadows))
+            controller.observe_draft(drafting, max(w.k for w in wanted + shadows))
             for w, d in zip(shadows, proposals[len(wanted):]):
                 controller.shadow(w.request_id, len(w.token_ids), d.token_ids[:w.k])
             asked = {w.request_id: w.k for w in wanted}
@@ -170,7 +173,10 @@ class Speculation:
         if not wanted:
             return {}
         drafts = {}
-        for w, d in zip(wanted, self.proposer.propose_tree(wanted, self.tree)):
+        t0 = time.perf_counter()
+        trees = self.proposer.propose_tree(wanted, self.tree)
+        self.draft_s += time.perf_counter() - t0
+        for w, d in zip(wanted, trees):
             self._kv.truncate(w.request_id, self._kv.num_tokens(w.request_id) - (scratch - len(d.token_ids)))
             if d.token_ids:
                 drafts[w.request_id] = d

@@ -127,6 +127,7 @@ class Engine:
                 raise ValueError(f"draft_tree={draft_tree!r} is given without a draft")
             tree = parse_tree(draft_tree, MAX_TREE_NODES - 1)
         self._features = kind is not None and kind.features  # the proposer reads the target's hidden states
+        self.default_tree = None if tree is None else str(tree)  # the shape given (or the kind's), at build
         options = BackendOptions(kv_dtype=kv_dtype, weight_dtype=weight_dtype, weight_calibration=calibration,
                                  page_size=page_size, tree_nodes=0 if tree is None else 1 + tree.scratch_nodes,
                                  hidden_states=self._features,
@@ -310,7 +311,8 @@ class Engine:
         the last ``generate`` call's per-request decisions (decode steps, speculated steps, draft
         lengths chosen); ``forward_cost_s`` the controller's measured seconds per target forward
         by stream size; ``mean_accepted_path`` the drafts kept per verify forward (a tree's accepted
-        root path) and ``tree_nodes_verified`` the tree nodes verified.
+        root path) and ``tree_nodes_verified`` the tree nodes verified; ``draft_s`` the seconds spent
+        drafting (part of ``host_s``).
         """
         s = dict(self._stats)
         s["prefix_cache_hit_rate"] = self.kv.prefix_cache_hit_rate
@@ -330,6 +332,7 @@ class Engine:
             s["speculated_fraction"] = s["verify_steps"] / s["decode_forwards"] if s["decode_forwards"] else 0.0
             s["mean_accepted_path"] = s["accepted_tokens"] / s["verify_steps"] if s["verify_steps"] else 0.0
             s["draft_tree"] = None if self.speculation.tree is None else str(self.speculation.tree)
+            s["draft_s"] = self.speculation.draft_s - self._draft_s_base
             if self.controller is not None:
                 s["forward_cost_s"] = self.controller.forward_cost.as_dict()
         return s
@@ -341,6 +344,7 @@ class Engine:
                            tree_nodes_verified=0,
                            decode_emitted=0, forward_s=0.0, host_s=0.0, requests=[])
         self._counter_base = self._counters()
+        self._draft_s_base = self.speculation.draft_s if self.speculation is not None else 0.0
 
     def _counters(self) -> dict[str, int]:
         drafter = getattr(self.proposer, "program", None)
@@ -487,8 +491,11 @@ class Engine:
             want.append(list(range(n)) if extra else [n - 1] if c.wants_logits else [])
         meta = AttentionMetadata.build(seqs, self.page_size, want, trees, self.program.tree_words if trees else 0)
         t_forward = time.perf_counter()
-        logits = self.program(torch.tensor(ids, dtype=torch.long), meta, self.kv_cache, return_hidden=self._features)
-        logits, hidden = logits if self._features else (logits, None)
+        stream = torch.tensor(ids, dtype=torch.long)
+        if self._features:  # the proposer drafts from the target's last hidden states
+            logits, hidden = self.program(stream, meta, self.kv_cache, return_hidden=True)
+        else:
+            logits, hidden = self.program(stream, meta, self.kv_cache), None
         if logits.device.type != "cpu":  # sampling and verification decide on the host
             logits = logits.cpu()
         t_back = time.perf_counter()

@@ -8,7 +8,7 @@ import torch
 
 import specgraph
 from specgraph.compiler.program import AttentionMetadata
-from specgraph.runtime.heads.distill import Recipe, distill, init_from_target_layer, step_losses, target_head_config
+from specgraph.runtime.heads.distill import Recipe, distill, step_losses, target_head_config
 from specgraph.runtime.heads.eagle import EagleHead, load_head, target_vocab_weights
 from models import tiny_llama
 from test_speculative import _exact_marginals, _passes, _peaky
@@ -152,11 +152,17 @@ def test_malformed_or_missing_heads_are_clear_errors(tiny_head, tmp_path):
         specgraph.Engine(model, num_blocks=16, page_size=8, draft="eagle")
 
 
-def test_the_head_starts_from_the_targets_last_layer():
+def test_step_losses_mask_the_padding():
+    """Rows past a sequence's length (and steps whose next token is past it) do not count."""
     model = tiny_llama(vocab=VOCAB)
     head = _head(model, VOCAB, 32)
-    assert init_from_target_layer(head, model, model.config.num_hidden_layers)
-    torch.testing.assert_close(head.down_proj.weight, model.model.layers[-1].mlp.down_proj.weight)
-    ids = torch.randint(0, VOCAB, (2, 9))
-    losses = step_losses(head, ids, torch.randn(2, 9, head.cfg.hidden), torch.tensor([9, 6]), unroll=2)
-    assert len(losses) == 2 and all(torch.isfinite(l) for l, _ in losses)
+    ids, feats = torch.randint(0, VOCAB, (2, 9)), torch.randn(2, 9, head.cfg.hidden)
+    short = step_losses(head, ids[1:, :6], feats[1:, :6], torch.tensor([6]), unroll=2)
+    padded = feats.clone()
+    padded[1, 6:] = 1e4  # garbage where the second sequence has ended
+    both = step_losses(head, ids, padded, torch.tensor([9, 6]), unroll=2)
+    alone = step_losses(head, ids[:1], feats[:1], torch.tensor([9]), unroll=2)
+    for j in range(2):
+        valid = [9 - 1 - j, 6 - 1 - j]
+        mixed = (alone[j][0] * valid[0] + short[j][0] * valid[1]) / sum(valid)
+        torch.testing.assert_close(both[j][0], mixed, rtol=1e-4, atol=1e-5)

@@ -67,37 +67,6 @@ def target_head_config(model: torch.nn.Module, vocab: int, draft_vocab: int) -> 
                        target=target_fingerprint(model, vocab))
 
 
-def init_from_target_layer(head: EagleHead, model: torch.nn.Module, num_layers: int) -> bool:
-    """Start the head's layer from the target's last decoder layer when its parts are Llama-named and fit."""
-    from ..proposers.model import decoder_layer_list
-
-    try:
-        last = decoder_layer_list(model, num_layers)[1][-1]
-    except ValueError:
-        return False
-    parts = {"q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj", "v_proj": "self_attn.v_proj",
-             "o_proj": "self_attn.o_proj", "gate_proj": "mlp.gate_proj", "up_proj": "mlp.up_proj",
-             "down_proj": "mlp.down_proj", "mlp_norm": "post_attention_layernorm"}
-    sources = {}
-    for mine, theirs in parts.items():
-        src = last.get_submodule(theirs) if _has(last, theirs) else None
-        if src is None or src.weight.shape != getattr(head, mine).weight.shape:
-            return False
-        sources[mine] = src
-    with torch.no_grad():
-        for mine, src in sources.items():
-            getattr(head, mine).weight.copy_(src.weight)
-    return True
-
-
-def _has(module: torch.nn.Module, path: str) -> bool:
-    try:
-        module.get_submodule(path)
-        return True
-    except AttributeError:
-        return False
-
-
 def draft_vocabulary(sequences: list[Sequence], size: int) -> torch.Tensor:
     """The ``size`` most frequent next tokens of the training split (answers count double), sorted."""
     counts: Counter[int] = Counter()
@@ -255,7 +224,6 @@ def distill(model: torch.nn.Module, tokenizer=None, *, out: str | Path, head: st
     torch.manual_seed(recipe.seed)
     h = EagleHead(cfg)
     h.draft_ids.copy_(ids)
-    warm = init_from_target_layer(h, model, program.num_layers)
     embed, lm_head = target_vocab_weights(model, vocab)
     h.attach(embed, lm_head)
     trained = train(h, sequences, recipe, out.with_name(out.name + ".ckpt.pt"), resume, minutes, progress)
@@ -264,7 +232,7 @@ def distill(model: torch.nn.Module, tokenizer=None, *, out: str | Path, head: st
     record = {"recipe": asdict(recipe), "data": {"sequences": len(sequences), "tokens": tokens,
                                                  "heldout_sequences": sum(s.heldout for s in sequences),
                                                  "seconds": round(data_seconds, 1)},
-              "init_from_target_layer": warm, **trained,
+              **trained,
               "heldout_acceptance_by_position": [round(a, 4) for a in acceptance],
               "heldout_chain_tokens_per_forward": round(1 + sum(acceptance), 3)}
     h.cfg = replace(cfg, recipe=record)
