@@ -276,9 +276,9 @@ def build_parser() -> argparse.ArgumentParser:
     dump.add_argument("--mlir", action="store_true")
     dump.set_defaults(fn=cmd_dump)
 
-    distill = sub.add_parser("distill", help="train an EAGLE draft head for a model from data it builds itself")
+    distill = sub.add_parser("distill", help="train a draft head (EAGLE or Medusa) for a model from data it builds itself")
     distill.add_argument("--model", default=DEFAULT_MODEL)
-    distill.add_argument("--head", default="eagle", choices=("eagle",))
+    distill.add_argument("--head", default="eagle", choices=("eagle", "medusa"))
     distill.add_argument("--out", required=True, help="the head's .safetensors (its config goes to OUT.json)")
     distill.add_argument("--prompts", type=_positive, default=None, help="prompts the target answers")
     distill.add_argument("--texts", type=_positive, default=None, help="plain-text sequences")

@@ -96,7 +96,7 @@ class Speculation:
         """Draft token trees of this shape (None: chains). The controller does not size trees: adaptive is off."""
         if tree is not None and (self.adaptive or not callable(getattr(self.proposer, "propose_tree", None))):
             raise ValueError(f"draft_tree={str(tree)!r} needs adaptive=False and a proposer that drafts trees "
-                             f"(ngram, eagle, a draft model, layer_skip); {getattr(self.proposer, 'name', self.proposer)!r} "
+                             f"(ngram, eagle, medusa, a draft model, layer_skip); {getattr(self.proposer, 'name', self.proposer)!r} "
                              f"with adaptive={self.adaptive}")
         self.tree = tree
 

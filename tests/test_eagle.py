@@ -8,8 +8,10 @@ import torch
 
 import specgraph
 from specgraph.compiler.program import AttentionMetadata
-from specgraph.runtime.heads.distill import Recipe, distill, step_losses, target_head_config
-from specgraph.runtime.heads.eagle import EagleHead, load_head, target_vocab_weights
+from specgraph.runtime.heads.base import load_head, target_vocab_weights
+from specgraph.runtime.heads.distill import Recipe, distill, target_head_config
+from specgraph.runtime.heads.eagle import EagleHead
+from specgraph.runtime.heads.training import eagle_losses
 from models import tiny_llama
 from test_speculative import _exact_marginals, _passes, _peaky
 
@@ -73,7 +75,7 @@ def test_tiny_distill_runs_end_to_end_and_the_loss_falls(tiny_head):
     assert len(record["heldout_acceptance_by_position"]) == 5
     cfg = json.loads((out.parent / (out.name + ".json")).read_text())
     assert cfg["draft_vocab"] == 48 and cfg["vocab_size"] == VOCAB and cfg["recipe"]["steps"] == 150
-    head = load_head(out)
+    head = load_head(out, {"eagle": EagleHead})
     assert head.draft_ids.tolist() == sorted(set(head.draft_ids.tolist()))
     assert out.stat().st_size < 2 << 20  # float16
 
@@ -148,7 +150,7 @@ def test_malformed_or_missing_heads_are_clear_errors(tiny_head, tmp_path):
     (tmp_path / "bad.safetensors.json").write_text((out.parent / (out.name + ".json")).read_text())
     with pytest.raises(ValueError, match="bad.safetensors is malformed"):
         specgraph.Engine(model, num_blocks=16, page_size=8, draft=f"eagle:{bad}")
-    with pytest.raises(ValueError, match="no EAGLE head is shipped for this model.*specgraph distill"):
+    with pytest.raises(ValueError, match="no eagle head is shipped for this model.*specgraph distill"):
         specgraph.Engine(model, num_blocks=16, page_size=8, draft="eagle")
 
 
@@ -157,11 +159,11 @@ def test_step_losses_mask_the_padding():
     model = tiny_llama(vocab=VOCAB)
     head = _head(model, VOCAB, 32)
     ids, feats = torch.randint(0, VOCAB, (2, 9)), torch.randn(2, 9, head.cfg.hidden)
-    short = step_losses(head, ids[1:, :6], feats[1:, :6], torch.tensor([6]), unroll=2)
+    short = eagle_losses(head, ids[1:, :6], feats[1:, :6], torch.tensor([6]), unroll=2)
     padded = feats.clone()
     padded[1, 6:] = 1e4  # garbage where the second sequence has ended
-    both = step_losses(head, ids, padded, torch.tensor([9, 6]), unroll=2)
-    alone = step_losses(head, ids[:1], feats[:1], torch.tensor([9]), unroll=2)
+    both = eagle_losses(head, ids, padded, torch.tensor([9, 6]), unroll=2)
+    alone = eagle_losses(head, ids[:1], feats[:1], torch.tensor([9]), unroll=2)
     for j in range(2):
         valid = [9 - 1 - j, 6 - 1 - j]
         mixed = (alone[j][0] * valid[0] + short[j][0] * valid[1]) / sum(valid)

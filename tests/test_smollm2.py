@@ -67,6 +67,21 @@ def test_tree_speculation_greedy_equals_plain(smollm2):
         assert spec.stats["tree_nodes_verified"] > 0 and spec.stats["recompiles"] == 0
 
 
+def test_shipped_eagle_head_is_found_accepts_and_keeps_greedy_output(smollm2):
+    """draft="eagle" picks the head shipped for SmolLM2 (by its fingerprint) with its default tree; greedy output
+    equals plain decoding at batch 1 and 4, on chains and trees; the head's drafts are accepted (a trained head)."""
+    model, tok, engine, prompts = smollm2
+    plain = engine.generate(prompts[:4], max_new_tokens=40, ignore_eos=True)
+    spec = specgraph.Engine(model, tokenizer=tok, page_size=16, draft="eagle", lowering="eager")
+    assert spec.draft_tree == "dynamic:16" and spec.proposer.name == "eagle"
+    for tree in ("dynamic:16", None):
+        spec.draft_tree = tree
+        for batch in (prompts[:1], prompts[:4]):
+            got = spec.generate(batch, max_new_tokens=40, ignore_eos=True)
+            assert [r.token_ids for r in got] == [r.token_ids for r in plain[:len(batch)]], (tree, len(batch))
+        assert spec.stats["mean_accepted_tokens"] > 1.5, spec.stats  # (an untrained head: about 1.0)
+
+
 def test_score_matches_uncached_logits_for_chunk_sizes(smollm2):
     model, tok, engine, prompts = smollm2
     ids = tok(prompts[0] + "def merge_intervals(intervals):", add_special_tokens=False)["input_ids"]

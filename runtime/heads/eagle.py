@@ -10,11 +10,9 @@ output ``g_t`` predicts ``f_t``, so ``lm_head(g_t)`` drafts token ``t + 1``. Dra
 can live in the target's pages: blocks shared by a prefix hold valid head K/V for every sequence
 that shares them. (Slot 0 has no feature; it gets zeros.)
 
-Shared, not copied: the token embedding and the LM head are the target's own tensors. The head
-drafts over a reduced vocabulary (``draft_ids``: the most frequent next tokens of its training
-data, as FR-Spec and EAGLE-3 do), so a draft step's LM head is ``len(draft_ids) / vocab`` of the
-target's; the rows of the target's LM head for it are gathered once at :meth:`attach`.
-Verification stays exact over the full vocabulary.
+Shared, not copied: the token embedding and the LM head are the target's own tensors; the head
+drafts over a reduced vocabulary (``base.py``), so a draft step's LM head is ``len(draft_ids) /
+vocab`` of the target's.
 
 Two forwards share the layer's math: :meth:`forward_paged` (inference, through the paged
 attention kernel with token-tree masks) and :meth:`unrolled` (training and held-out evaluation:
@@ -22,18 +20,15 @@ attention kernel with token-tree masks) and :meth:`unrolled` (training and held-
 """
 from __future__ import annotations
 
-import hashlib
 import importlib
-import json
 import math
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-FORMAT = 1
+from .base import DraftHead
 
 
 @dataclass(frozen=True)
@@ -53,10 +48,13 @@ class EagleConfig:
     recipe: dict = field(default_factory=dict)  # data recipe, steps, measured acceptance (distill's record)
 
 
-class EagleHead(nn.Module):
+class EagleHead(DraftHead):
+    kind = "eagle"
+    config_class = EagleConfig
+    uses_embedding = True
+
     def __init__(self, cfg: EagleConfig):
-        super().__init__()
-        self.cfg = cfg
+        super().__init__(cfg)
         h, d = cfg.hidden, cfg.head_dim
         self.fc = nn.Linear(2 * h, h)
         self.q_proj = nn.Linear(h, cfg.heads * d, bias=False)
@@ -67,25 +65,6 @@ class EagleHead(nn.Module):
         self.gate_proj = nn.Linear(h, cfg.intermediate, bias=False)
         self.up_proj = nn.Linear(h, cfg.intermediate, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate, h, bias=False)
-        self.register_buffer("draft_ids", torch.arange(cfg.draft_vocab, dtype=torch.long))
-        self.embed: torch.Tensor | None = None  # [vocab, h]: the target's, by reference (attach)
-        self.draft_lm: torch.Tensor | None = None  # [draft_vocab, h]: the target's LM head rows of draft_ids
-
-    # ------------------------------------------------------------------ target
-    def attach(self, embed: torch.Tensor, lm_head: torch.Tensor) -> "EagleHead":
-        """Use the target's token embedding and LM head (``[vocab, hidden]`` each); clear errors on a mismatch."""
-        cfg = self.cfg
-        for name, w in (("embedding", embed), ("LM head", lm_head)):
-            if w.shape != (cfg.vocab_size, cfg.hidden):
-                raise ValueError(f"EAGLE head for vocabulary {cfg.vocab_size} and hidden size {cfg.hidden}; the "
-                                 f"target's {name} is {tuple(w.shape)}: this head was made for another model")
-        self.embed = embed.detach()
-        self.draft_lm = lm_head.detach().index_select(0, self.draft_ids.to(lm_head.device)).to(self.fc.weight.dtype)
-        return self
-
-    def draft_logits(self, g: torch.Tensor) -> torch.Tensor:
-        """``[..., draft_vocab]`` logits over the draft vocabulary of predicted features ``g``."""
-        return g @ self.draft_lm.T
 
     # ------------------------------------------------------------- the layer
     def _inputs(self, ids: torch.Tensor, feats: torch.Tensor) -> torch.Tensor:
@@ -177,67 +156,3 @@ def rotary(positions: torch.Tensor, dim: int, theta: float, dtype) -> tuple[torc
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
-
-
-# ------------------------------------------------------------------ the target
-def target_vocab_weights(model: nn.Module, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The target's token embedding and LM head weights (``[vocab, hidden]`` each), by structure: the
-    ``nn.Embedding`` with ``vocab`` rows and the last ``nn.Linear`` with ``vocab`` outputs."""
-    embeds = [m for m in model.modules() if isinstance(m, nn.Embedding) and m.num_embeddings == vocab]
-    heads = [m for m in model.modules() if isinstance(m, nn.Linear) and m.out_features == vocab]
-    if not embeds or not heads:
-        raise ValueError(f"an EAGLE head needs the target's token embedding and LM head ({vocab} rows); found "
-                         f"{len(embeds)} embedding(s) and {len(heads)} LM head(s)")
-    if heads[-1].bias is not None:
-        raise ValueError("an EAGLE head drafts with the target's LM head: one with a bias is not supported")
-    return embeds[0].weight, heads[-1].weight
-
-
-def target_fingerprint(model: nn.Module, vocab: int) -> dict:
-    """What identifies the target a head was distilled from: its sizes and a digest of its LM head."""
-    embed, lm = target_vocab_weights(model, vocab)
-    digest = hashlib.blake2b(lm.detach().float().contiguous().cpu().numpy().tobytes(), digest_size=8).hexdigest()
-    return {"vocab_size": vocab, "hidden": int(lm.shape[1]), "lm_head_digest": digest}
-
-
-# ------------------------------------------------------------------- storage
-def save_head(head: EagleHead, path: str | Path, dtype: torch.dtype = torch.float16) -> Path:
-    """``path`` (``.safetensors``) + ``path.json`` (the config); weights in ``dtype`` (draft ids as int32)."""
-    from safetensors.torch import save_file
-
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tensors = {k: (v.to(torch.int32) if k == "draft_ids" else v.to(dtype)).contiguous()
-               for k, v in head.state_dict().items()}
-    save_file(tensors, str(path), metadata={"format": str(FORMAT)})
-    config_path(path).write_text(json.dumps({"format": FORMAT, **asdict(head.cfg)}, indent=1))
-    return path
-
-
-def config_path(path: str | Path) -> Path:
-    path = Path(path)
-    return path.with_name(path.name + ".json")
-
-
-def load_head(path: str | Path, dtype: torch.dtype = torch.float32, device="cpu") -> EagleHead:
-    """A saved head; ``ValueError`` naming the file when it is missing, malformed or of another format."""
-    from safetensors.torch import load_file
-
-    path = Path(path)
-    cfg_file = config_path(path)
-    if not path.is_file() or not cfg_file.is_file():
-        raise ValueError(f"EAGLE head {path}: needs {path.name} and {cfg_file.name} (made by `specgraph distill`)")
-    try:
-        raw = json.loads(cfg_file.read_text())
-        if raw.pop("format", None) != FORMAT:
-            raise ValueError(f"format is not {FORMAT}")
-        cfg = EagleConfig(**raw)
-        tensors = load_file(str(path))
-        head = EagleHead(cfg)
-        missing = set(head.state_dict()) ^ set(tensors)
-        if missing:
-            raise ValueError(f"tensors {sorted(missing)} missing or unexpected")
-        head.load_state_dict({k: v.to(torch.long) if k == "draft_ids" else v for k, v in tensors.items()})
-    except Exception as e:  # (safetensors raises its own error type for a damaged file)
-        raise ValueError(f"EAGLE head {path} is malformed: {e}") from e
-    return head.to(device=device, dtype=dtype)

@@ -67,7 +67,7 @@ def make_proposer(draft, ctx: DraftContext) -> Proposer:
     return _KINDS[kind].factory(arg, ctx)
 
 
-from . import eagle, model, ngram  # noqa: E402  (each registers its kinds on import)
+from . import eagle, medusa, model, ngram  # noqa: E402  (each registers its kinds on import)
 
 __all__ = ["Draft", "DraftContext", "DraftRequest", "Kind", "Proposer", "make_proposer", "register_proposer",
-           "register_draft_model", "kind_of", "specs", "eagle", "model", "ngram"]
+           "register_draft_model", "kind_of", "specs", "eagle", "medusa", "model", "ngram"]

@@ -14,20 +14,16 @@ sequence never wrote there can only lower acceptance: verification stays exact.
 """
 from __future__ import annotations
 
-import warnings
-from pathlib import Path
-
 import torch
 
 from ...compiler.program import AttentionMetadata
 from ...kernels.tree_mask import mask_words
-from ..heads.eagle import EagleHead, load_head, target_fingerprint, target_vocab_weights
+from ..heads.eagle import EagleHead
 from ..kv_manager import KVCacheManager
-from ..sampling import probabilities
 from ..token_tree import TreeBuilder, TreeShape
 from .base import Draft, DraftContext, DraftRequest
+from .learned import candidates, draw, load_target_head
 
-SHIPPED = Path(__file__).resolve().parent.parent / "heads" / "shipped"
 DEFAULT_TREE = "dynamic:16"  # the shipped heads' tree (benchmarks/bench_speculative.py measured it)
 
 
@@ -104,7 +100,7 @@ class EagleProposer:
         while live:
             logits = self.head.draft_logits(g)
             for row, r in enumerate(live):
-                drafts[r.request_id].append(self._draw(r, logits[row], qs[r.request_id]))
+                drafts[r.request_id].append(draw(self.head, r, logits[row], qs[r.request_id]))
             step += 1
             keep = [row for row, r in enumerate(live) if step < r.k]
             if not keep:
@@ -117,18 +113,6 @@ class EagleProposer:
         return [Draft(drafts[r.request_id], probs=torch.stack(qs[r.request_id]) if qs[r.request_id] else None)
                 for r in requests]
 
-    def _draw(self, r: DraftRequest, logits: torch.Tensor, qs: list[torch.Tensor]) -> int:
-        """Greedy: the best draft-vocabulary token; sampling: one drawn from ``q`` over the full vocabulary
-        (zero outside the draft vocabulary), recorded in ``qs`` for rejection sampling."""
-        ids = self.head.draft_ids
-        if r.params is None or r.params.greedy:
-            return int(ids[int(torch.argmax(logits))])
-        full = logits.new_full((self.head.cfg.vocab_size,), float("-inf"))
-        full[ids] = logits
-        q = probabilities(full, r.params)
-        qs.append(q)
-        return int(torch.multinomial(q, 1, generator=r.generator))
-
     def propose_tree(self, requests: list[DraftRequest], shape: TreeShape) -> list[Draft]:
         """Token trees (``TreeBuilder``) from the head's most probable draft-vocabulary tokens: level 1 from the
         last committed slot's output; each later level feeds the tree so far as one tree step (node ``i`` at
@@ -138,7 +122,7 @@ class EagleProposer:
         root = dict(zip((r.request_id for r in live), g))
         outputs: dict[int, torch.Tensor] = {}
         for row, r in enumerate(live):
-            builders[r.request_id].add_level([self._candidates(g[row], builders[r.request_id])])
+            builders[r.request_id].add_level([candidates(self.head, g[row], builders[r.request_id])])
         words = mask_words(shape.scratch_nodes)
         while live := [r for r in live if not builders[r.request_id].done]:
             ids, feats, seqs, want, trees = [], [], [], [], {}
@@ -154,18 +138,13 @@ class EagleProposer:
             for r, (_, _, n) in zip(live, seqs):
                 b = builders[r.request_id]
                 outputs[r.request_id] = g[offset:offset + n]
-                b.add_level([self._candidates(outputs[r.request_id][node], b) for node in b.frontier])
+                b.add_level([candidates(self.head, outputs[r.request_id][node], b) for node in b.frontier])
                 offset += n
         out = []
         for r in requests:
             tokens, parents = builders[r.request_id].result()
             out.append(Draft(tokens, parents=parents))
         return out
-
-    def _candidates(self, g: torch.Tensor, builder: TreeBuilder) -> list[tuple[int, float]]:
-        probs = torch.softmax(self.head.draft_logits(g).float(), dim=-1)
-        top = torch.topk(probs, min(max(builder.width, default=1), probs.shape[-1]))
-        return list(zip(self.head.draft_ids[top.indices].tolist(), top.values.tolist()))
 
     # ---------------------------------------------------------- bookkeeping
     def on_verified(self, request_id: int, num_committed: int) -> None:
@@ -176,30 +155,8 @@ class EagleProposer:
         self._feats.pop(request_id, None)
 
 
-def shipped_head(model: torch.nn.Module, vocab: int) -> Path:
-    """The head shipped for this target (matched by its fingerprint); ``ValueError`` saying how to make one."""
-    import json
-
-    want = target_fingerprint(model, vocab)
-    for cfg in sorted(SHIPPED.glob("*.safetensors.json")):
-        if json.loads(cfg.read_text()).get("target") == want:
-            return cfg.with_name(cfg.name[:-len(".json")])
-    raise ValueError("draft='eagle': no EAGLE head is shipped for this model; make one with `specgraph distill "
-                     "--model <model> --head eagle --out head.safetensors` and pass draft='eagle:head.safetensors'")
-
-
 def eagle_proposer(arg: str, ctx: DraftContext) -> EagleProposer:
-    spec = f"eagle:{arg}" if arg else "eagle"
-    ctx.refuse_own_weight_dtype(spec, "an EAGLE head has its own weights, distilled in float")
-    vocab = ctx.program.vocab_size
-    path = Path(arg).expanduser() if arg else shipped_head(ctx.model, vocab)
-    embed, lm_head = target_vocab_weights(ctx.model, vocab)
-    head = load_head(path, dtype=embed.dtype, device=ctx.device).attach(embed, lm_head)
-    made_for = head.cfg.target.get("lm_head_digest")
-    if made_for and made_for != target_fingerprint(ctx.model, vocab)["lm_head_digest"]:
-        warnings.warn(f"EAGLE head {path} was distilled from another model with the same sizes: expect low "
-                      f"acceptance (outputs stay exact)", RuntimeWarning, stacklevel=3)
-    head.eval()
+    head = load_target_head(arg, ctx, EagleHead)
     return EagleProposer(head, ctx.kv, ctx.page_size, ctx.num_blocks, ctx.device)
 
 

@@ -1,0 +1,180 @@
+"""Training a draft head on ``distill``'s data, and measuring it on the held-out answers.
+
+* :func:`train`: AdamW with warm-up and cosine decay over random windows of the training split;
+  checkpoints every 250 steps; ``resume`` continues from the checkpoint.
+* EAGLE (:func:`eagle_losses`): every drafting step from every slot at once (``EagleHead.unrolled``,
+  ``unroll`` steps deep, EAGLE-3's training-time test), each step's loss = smooth-L1 to the target's
+  feature + 0.1 x KL divergence from the target's distribution over the draft vocabulary, weighted
+  0.8^step; uniform noise on the input features.
+* Medusa (:func:`medusa_losses`): head ``k``'s KL divergence from the target's distribution ``k`` tokens on.
+* :func:`heldout_acceptance`: per draft position, the share of chain drafts the target would accept.
+"""
+from __future__ import annotations
+
+import math
+import random
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from .base import DraftHead
+from .distill_data import Sequence
+from .eagle import EagleHead
+from .medusa import MedusaHeads
+
+
+def _windows(sequences: list[Sequence], window: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    out = []
+    for s in sequences:
+        ids = torch.tensor(s.ids)
+        for start in range(0, len(s.ids) - 1, window):
+            out.append((ids[start:start + window], s.feats[start:start + window]))
+    return out
+
+
+def _batch(windows, picks: list[int]):
+    t = max(len(windows[i][0]) for i in picks)
+    ids = torch.zeros(len(picks), t, dtype=torch.long)
+    feats = torch.zeros(len(picks), t, windows[picks[0]][1].shape[1])
+    lens = torch.tensor([len(windows[i][0]) for i in picks])
+    for row, i in enumerate(picks):
+        n = len(windows[i][0])
+        ids[row, :n], feats[row, :n] = windows[i][0], windows[i][1].float()
+    return ids, feats, lens
+
+
+def kl(teacher: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
+    """KL(teacher || head) per row: the cross-entropy less the teacher's entropy (same gradient), so the loss
+    reaches 0 when the head matches the target, however uncertain the target is."""
+    return (teacher * (torch.log(teacher.clamp_min(1e-30)) - logp)).sum(-1)
+
+
+def eagle_losses(head: EagleHead, ids, feats, lens, unroll: int, noise: float = 0.0):
+    """Per drafting step ``(loss, top-1 agreement with the target)`` of a padded batch: smooth-L1 to the
+    target's feature + 0.1 x KL divergence from its distribution over the draft vocabulary (EAGLE's cross-entropy
+    less the target's entropy)."""
+    noisy = feats + (torch.rand_like(feats) * 2 - 1) * noise * feats.std() if noise else feats
+    outs = head.unrolled(ids, noisy, unroll)
+    t = ids.shape[1]
+    out = []
+    for j, g in enumerate(outs):
+        valid = (torch.arange(t)[None] + j < lens[:, None] - 1)  # g_j[s] predicts f_{s+j}; its next token exists
+        target = torch.cat([feats[:, j:], feats.new_zeros(feats.shape[0], j, feats.shape[2])], dim=1)
+        with torch.no_grad():
+            teacher = torch.softmax(head.draft_logits(target), dim=-1)
+        logp = torch.log_softmax(head.draft_logits(g), dim=-1)
+        vloss = F.smooth_l1_loss(g, target, reduction="none").mean(-1)
+        ploss = kl(teacher, logp)
+        loss = ((vloss + 0.1 * ploss) * valid).sum() / valid.sum().clamp(min=1)
+        agree = ((logp.argmax(-1) == teacher.argmax(-1)) & valid).sum() / valid.sum().clamp(min=1)
+        out.append((loss, float(agree)))
+    return out
+
+
+def medusa_losses(head: MedusaHeads, ids, feats, lens):
+    """Per head ``k`` ``(loss, top-1 agreement)``: KL divergence of head ``k`` at ``f_s`` from the target's
+    distribution at ``f_{s+k}`` (over the draft vocabulary), i.e. for token ``s + k + 1``."""
+    t = ids.shape[1]
+    out = []
+    for k, g in enumerate(head(feats), start=1):
+        valid = torch.arange(t)[None] + k < lens[:, None]
+        target = torch.cat([feats[:, k:], feats.new_zeros(feats.shape[0], k, feats.shape[2])], dim=1)
+        with torch.no_grad():
+            teacher = torch.softmax(head.draft_logits(target), dim=-1)
+        logp = torch.log_softmax(head.draft_logits(g), dim=-1)
+        loss = (kl(teacher, logp) * valid).sum() / valid.sum().clamp(min=1)
+        agree = ((logp.argmax(-1) == teacher.argmax(-1)) & valid).sum() / valid.sum().clamp(min=1)
+        out.append((loss, float(agree)))
+    return out
+
+
+def head_losses(head: DraftHead, ids, feats, lens, recipe):
+    if head.kind == "eagle":
+        return eagle_losses(head, ids, feats, lens, recipe.unroll, recipe.noise)
+    return medusa_losses(head, ids, feats, lens)
+
+
+def train(head: DraftHead, sequences: list[Sequence], recipe, checkpoint: Path | None = None,
+          resume: bool = False, minutes: float | None = None, progress: bool = True) -> dict:
+    """Train ``head`` on the training split; returns ``{"first_step", "steps" (done), "first_loss", "loss" (the
+    mean of the first and of the last 20 steps of this run), "seconds"}``."""
+    windows = _windows([s for s in sequences if not s.heldout], recipe.window)
+    params = [p for p in head.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=recipe.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    rng = random.Random(recipe.seed)
+    step = 0
+    if resume and checkpoint is not None and checkpoint.is_file():
+        state = torch.load(checkpoint, weights_only=False)
+        head.load_state_dict(state["head"])
+        opt.load_state_dict(state["opt"])
+        step, rng = state["step"], state["rng"]
+    warmup = min(100, recipe.steps // 10 + 1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / warmup) * (
+        0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, i / recipe.steps)))), last_epoch=step - 1)
+    bar = progress_bar(recipe.steps, step, progress)
+    first_step, losses_seen = step, []
+    t0 = time.perf_counter()
+    head.train()
+    while step < recipe.steps:
+        if minutes is not None and time.perf_counter() - t0 > minutes * 60:
+            break
+        ids, feats, lens = _batch(windows, [rng.randrange(len(windows)) for _ in range(recipe.batch)])
+        losses = head_losses(head, ids, feats, lens, recipe)
+        total = sum(0.8 ** j * l for j, (l, _) in enumerate(losses))
+        opt.zero_grad(set_to_none=True)
+        total.backward()
+        torch.nn.utils.clip_grad_norm_(params, 0.5)
+        opt.step()
+        sched.step()
+        step += 1
+        losses_seen.append(total.item())
+        bar.update(1)
+        bar.set_postfix(loss=f"{losses_seen[-1]:.3f}", top1=f"{losses[0][1]:.2f}")
+        if checkpoint is not None and (step % 250 == 0 or step == recipe.steps):
+            torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "step": step, "rng": rng}, checkpoint)
+    bar.close()
+    head.eval()
+    mean = (lambda xs: round(sum(xs) / len(xs), 4) if xs else None)
+    return {"first_step": first_step, "steps": step, "first_loss": mean(losses_seen[:20]),
+            "loss": mean(losses_seen[-20:]), "seconds": round(time.perf_counter() - t0, 1)}
+
+
+def progress_bar(total: int, done: int, show: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=done, disable=not show, desc="distill", dynamic_ncols=True)
+
+
+def chain_drafts(head: DraftHead, ids: torch.Tensor, feats: torch.Tensor, depth: int) -> list[torch.Tensor]:
+    """Greedy chain drafts from every position of one sequence at once: ``out[j][s]`` is the draft for token
+    ``s + j + 1`` of the chain that starts once token ``s`` is committed (while every earlier draft of the
+    chain was right; ``ids [T]``, ``feats [T, hidden]``)."""
+    if head.kind == "eagle":
+        outs = [g[0] for g in head.unrolled(ids[None], feats[None], depth)]
+    else:  # head k at f_{s-1} guesses token s + k
+        prev = torch.cat([feats.new_zeros(1, feats.shape[1]), feats[:-1]])
+        outs = head(prev)[:depth]
+    return [head.draft_ids[head.draft_logits(g).argmax(-1)] for g in outs]
+
+
+@torch.no_grad()
+def heldout_acceptance(head: DraftHead, sequences: list[Sequence], depth: int = 5) -> list[float]:
+    """On the target's greedy held-out answers: for ``j = 1..depth``, the share of drafting positions whose
+    first ``j`` chain drafts all equal the target's tokens (a chain of ``depth`` then gains ``1 + sum``
+    tokens per target forward)."""
+    depth = min(depth, getattr(head.cfg, "num_heads", depth))
+    hits, count = torch.zeros(depth), 0
+    for s in sequences:
+        if not (s.heldout and s.greedy) or len(s.ids) - s.prompt_len < 2:
+            continue
+        ids = torch.tensor(s.ids)
+        n = len(s.ids)
+        ok = torch.ones(n, dtype=torch.bool)
+        for j, draft in enumerate(chain_drafts(head, ids, s.feats.float(), depth)):
+            truth = torch.cat([ids[j + 1:], ids.new_full((j + 1,), -1)])
+            ok &= draft == truth
+            hits[j] += ok[s.prompt_len:n - 1].sum()  # drafting starts once the answer's first token is out
+        count += n - 1 - s.prompt_len
+    return (hits / max(count, 1)).tolist()

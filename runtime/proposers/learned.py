@@ -1,0 +1,66 @@
+"""Loading a learned draft head (``runtime/heads``) for the engine's target: the file given, or the head of
+that kind shipped for this very target (matched by its fingerprint)."""
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import torch
+
+from ..heads.base import DraftHead, load_head, target_fingerprint, target_vocab_weights
+from ..sampling import probabilities
+from ..token_tree import TreeBuilder
+from .base import DraftContext, DraftRequest
+
+SHIPPED = Path(__file__).resolve().parent.parent / "heads" / "shipped"
+
+
+def shipped_head(model: torch.nn.Module, vocab: int, kind: str) -> Path:
+    """The ``kind`` head shipped for this target; ``ValueError`` saying how to make one."""
+    want = target_fingerprint(model, vocab)
+    for cfg in sorted(SHIPPED.glob("*.safetensors.json")):
+        stored = json.loads(cfg.read_text())
+        if stored.get("kind") == kind and stored.get("target") == want:
+            return cfg.with_name(cfg.name[:-len(".json")])
+    raise ValueError(f"draft={kind!r}: no {kind} head is shipped for this model; make one with `specgraph distill "
+                     f"--model <model> --head {kind} --out head.safetensors` and pass draft='{kind}:head.safetensors'")
+
+
+def load_target_head(arg: str, ctx: DraftContext, cls: type[DraftHead]) -> DraftHead:
+    """``draft="<kind>"`` (the shipped head) or ``"<kind>:PATH"``: the head, in the target's dtype and device,
+    attached to its embedding and LM head; a head made for another model is refused (other sizes) or warned
+    about (same sizes, other weights)."""
+    kind = cls.kind
+    spec = f"{kind}:{arg}" if arg else kind
+    ctx.refuse_own_weight_dtype(spec, f"a {kind} head has its own weights, distilled in float")
+    vocab = ctx.program.vocab_size
+    path = Path(arg).expanduser() if arg else shipped_head(ctx.model, vocab, kind)
+    embed, lm_head = target_vocab_weights(ctx.model, vocab)
+    head = load_head(path, {kind: cls}, dtype=embed.dtype, device=ctx.device).attach(embed, lm_head)
+    made_for = head.cfg.target.get("lm_head_digest")
+    if made_for and made_for != target_fingerprint(ctx.model, vocab)["lm_head_digest"]:
+        warnings.warn(f"{kind} head {path} was distilled from another model with the same sizes: expect low "
+                      f"acceptance (outputs stay exact)", RuntimeWarning, stacklevel=4)
+    return head.eval()
+
+
+def draw(head: DraftHead, r: DraftRequest, logits: torch.Tensor, qs: list[torch.Tensor]) -> int:
+    """One draft token from a head's draft-vocabulary ``logits``: greedy, the best; sampling, one drawn from ``q``
+    over the full vocabulary (zero outside the draft vocabulary), appended to ``qs`` for rejection sampling."""
+    ids = head.draft_ids
+    if r.params is None or r.params.greedy:
+        return int(ids[int(torch.argmax(logits))])
+    full = logits.new_full((head.cfg.vocab_size,), float("-inf"))
+    full[ids] = logits
+    q = probabilities(full, r.params)
+    qs.append(q)
+    return int(torch.multinomial(q, 1, generator=r.generator))
+
+
+def candidates(head: DraftHead, g: torch.Tensor, builder: TreeBuilder) -> list[tuple[int, float]]:
+    """A tree node's candidate children from a head's feature ``g``: its most probable draft-vocabulary tokens,
+    ``(token, probability)`` best first, as many as a level of ``builder``'s tree may keep."""
+    probs = torch.softmax(head.draft_logits(g).float(), dim=-1)
+    top = torch.topk(probs, min(max(builder.width, default=1), probs.shape[-1]))
+    return list(zip(head.draft_ids[top.indices].tolist(), top.values.tolist()))
