@@ -11,8 +11,9 @@ Everything is measured in one process, one run, and printed as one table plus la
      - ``none``           specgraph Engine without speculation,
      - ``ngram``          specgraph prompt-lookup drafting (k = 2, 4, 6),
      - ``layer_skip:K``   specgraph self-drafting with the target's first K layers (k = 2, 4, 6),
-     - ``eagle``          specgraph's EAGLE head (``--eagle``: the shipped one by default) drafting
-                          chains (k = 2, 4, 6) and, as ``eagle-tree``, its default token tree,
+     - ``eagle``, ``medusa``  specgraph's learned heads (``--heads``: the shipped ones by default)
+                          drafting chains (k = 2, 4, 6) and, as ``eagle-tree`` / ``medusa-tree``,
+                          the head kind's default token tree,
      - ``hf-eager``       ``model.generate`` (HF dynamic cache),
      - ``hf-pld``         ``model.generate(prompt_lookup_num_tokens=k)`` (HF prompt lookup decoding),
    at temperature 0 (greedy) and 0.8 (seeded sampling; top-k/top-p off in both libraries). HF
@@ -89,14 +90,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--retry-busy", type=int, default=2, metavar="ROUNDS",
                    help="rounds of re-running (row, prompt) pairs whose every run was taken while other processes "
                         f"used > {BUSY_CORES} core (default 2; 0: off)")
-    p.add_argument("--eagle", default="eagle", metavar="SPEC",
-                   help="the EAGLE rows' draft spec (default 'eagle': the shipped head; '' leaves them out)")
+    p.add_argument("--heads", default="eagle,medusa", metavar="SPECS",
+                   help="comma-separated learned-head draft specs (default 'eagle,medusa': the shipped heads; "
+                        "'eagle:PATH' for another; '' leaves their rows out)")
     p.add_argument("--prompt-set", default="tuning", choices=("tuning", "heldout"),
                    help="PROMPTS (what the defaults were tuned on) or the HELDOUT ones (never tuned on)")
     p.add_argument("--json", default=None, metavar="PATH", help="also save the results as JSON")
     a = p.parse_args(argv)
     a.new_tokens = a.new_tokens or (24 if a.quick else 128)
     a.ks = [2, 4] if a.quick else [2, 4, 6]
+    a.heads = [h for h in a.heads.split(",") if h]
     a.verify_ks = [1, 2, 4, 8] if a.quick else list(range(1, 17))
     a.verify_reps = a.verify_reps or (5 if a.quick else 10)
     chosen = list(PROMPTS) if a.prompt_set == "tuning" else HELDOUT_PROMPTS
@@ -157,11 +160,12 @@ def make_cells(args) -> list[dict]:
     cells = []
     for temp in (GREEDY, SAMPLED):
         cells.append(dict(mode="none", kind="sg", engine="none", k=None, temp=temp))
-        for proposer in ("ngram",) + ls + (("eagle",) if args.eagle else ()):
+        heads = tuple(h.partition(":")[0] for h in args.heads)
+        for proposer in ("ngram",) + ls + heads:
             for k in args.ks:
                 cells.append(dict(mode=proposer, kind="sg", engine=proposer, k=k, temp=temp))
-        if args.eagle:  # the head's own default tree
-            cells.append(dict(mode="eagle-tree", kind="sg", engine="eagle", k=None, temp=temp, tree="default"))
+        for head in heads:  # each head kind's own default tree
+            cells.append(dict(mode=f"{head}-tree", kind="sg", engine=head, k=None, temp=temp, tree="default"))
         cells.append(dict(mode="hf-eager", kind="hf", engine=None, k=None, temp=temp))
         if temp == GREEDY:  # hf-pld: greedy only (see the module docstring)
             for k in args.ks:
@@ -437,7 +441,7 @@ def main(argv=None) -> int:
     num_blocks = math.ceil(need / 16) + 8
     engines, compile_s = {}, {}
     drafts = (("none", None), ("ngram", "ngram")) + (((ls_name, ls_name),) if args.layer_skip else ()) \
-        + ((("eagle", args.eagle),) if args.eagle else ())
+        + tuple((h.partition(":")[0], h) for h in args.heads)
     for name, draft in drafts:
         log(f"compiling Engine draft={draft}")
         t0 = time.perf_counter()
