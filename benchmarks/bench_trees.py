@@ -4,19 +4,20 @@
     python benchmarks/bench_trees.py --quick       # smoke test: 2 prompts, 24 tokens
     python benchmarks/bench_trees.py --temperatures 0,0.8 --json trees.json
 
-For each proposer (``ngram`` and ``layer_skip:K``, the model drafter SmolLM2 has: its own first K
-layers) one Engine is built with room for the largest tree below; its draft shape changes between
+For each proposer (``--drafts``; default ``ngram`` and ``layer_skip:K``, the target's own first K
+layers; ``eagle`` / ``medusa`` for the learned heads) one Engine is built with room for the largest tree below; its draft shape changes between
 runs (``engine.draft_tree``), so every row runs the same compiled program. Rows, all with
 ``adaptive=False``:
 
 * ``none``: no speculation (a plain engine);
 * ``chain k``: ``num_draft_tokens = k`` for k = 4 and 8;
 * ``static:2,1,1,1`` (8 nodes, depth 4: the chain k=4's depth with the chain k=8's budget),
-  ``static:3,2,1`` (15 nodes, depth 3), ``dynamic:8`` (8 nodes, EAGLE-2's confidence-ordered tree).
+  ``static:3,2,1`` (15 nodes, depth 3), ``dynamic:8`` (8 nodes, EAGLE-2's confidence-ordered tree);
+  ``--shapes "chain 3;dynamic:16"`` picks others.
 
 Every (row, prompt) runs once per round, interleaved, rounds rotating the order (``--repeats``: the
 fastest of each). Prompts: the 6 benchmark prompts the project's speculation was developed on and
-the 8 held-out ones it never tuned on, reported per group. ``tok/s`` = new tokens / generate wall
+the 8 held-out ones it never tuned on (``--prompt-set``), reported per group. ``tok/s`` = new tokens / generate wall
 time; ``acc/fwd`` = tokens a sequence gained per verify forward (``mean_accepted_tokens``); ``nodes``
 = tree nodes (or chain drafts) verified per verify forward. Greedy rows are checked token for token
 against ``none`` (lossless).
@@ -45,8 +46,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--new-tokens", type=int, default=None, help="per prompt (default 64; --quick 24)")
     p.add_argument("--layer-skip", type=int, default=8, metavar="K", help="layers of the model drafter (default 8)")
     p.add_argument("--drafts", default=None, help="comma-separated draft specs (default: ngram,layer_skip:K)")
-    p.add_argument("--shapes", default=",".join(SHAPES),
-                   help=f"comma-separated rows: 'chain K' or a draft_tree spec (default {','.join(SHAPES)})")
+    p.add_argument("--shapes", default=";".join(SHAPES),
+                   help=f"';'-separated rows: 'chain K' or a draft_tree spec (default {';'.join(SHAPES)})")
     p.add_argument("--prompt-set", default="both", choices=("tuning", "heldout", "both"),
                    help="the benchmark prompts, the held-out ones, or both (default)")
     p.add_argument("--temperatures", default="0", help="comma-separated (default 0: greedy)")
@@ -55,7 +56,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--json", default=None, metavar="PATH")
     a = p.parse_args(argv)
     a.drafts = a.drafts.split(",") if a.drafts else ["ngram", f"layer_skip:{a.layer_skip}"]
-    a.shapes = [s.strip() for s in a.shapes.split(",") if s.strip()]
+    a.shapes = [s.strip() for s in a.shapes.split(";") if s.strip()]
     return a
 
 
