@@ -235,7 +235,8 @@ def cmd_distill(args) -> int:
              "steps": args.steps, "draft_vocab": args.draft_vocab, "seed": args.seed}
     recipe = replace(Recipe(), **{k: v for k, v in given.items() if v is not None})
     model, tok = _load(args)
-    distill(model, tok, out=args.out, head=args.head, recipe=recipe, resume=args.resume, minutes=args.minutes,
+    distill(model, tok, out=args.out, head=args.head, recipe=recipe, data=args.data, resume=args.resume,
+            minutes=args.minutes,
             log=lambda line: print(line, file=sys.stderr))
     return 0
 
@@ -287,7 +288,9 @@ def build_parser() -> argparse.ArgumentParser:
     distill.add_argument("--draft-vocab", type=_positive, default=None, help="tokens the head drafts from")
     distill.add_argument("--seed", type=int, default=None)
     distill.add_argument("--minutes", type=float, default=None, help="stop training after this many minutes")
-    distill.add_argument("--resume", action="store_true", help="reuse OUT.data.pt and continue from OUT.ckpt.pt")
+    distill.add_argument("--data", default=None,
+                         help="the training set's cache (default OUT.data.pt; reused when made by the same recipe)")
+    distill.add_argument("--resume", action="store_true", help="continue training from OUT.ckpt.pt")
     distill.set_defaults(fn=cmd_distill)
 
     bench = sub.add_parser("bench", help="run benchmarks/bench_decode.py (arguments pass through)")

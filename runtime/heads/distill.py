@@ -4,7 +4,8 @@
 
 1. The training set (``distill_data.py``): the target's own answers to prompts made from the
    standard library, plus plain text, with the target's features for every token. Cached beside
-   ``out`` (``<out>.data.pt``), so a resumed run (or another head kind) does not rebuild it.
+   ``out`` (``<out>.data.pt``, or ``data``): a later run with the same data recipe for the same target
+   (a resumed one, or one for another head kind) reuses it.
 2. The draft vocabulary: the ``draft_vocab`` most frequent next tokens of the training split.
 3. Training and held-out acceptance per draft position (``training.py``).
 4. ``out`` (float16 safetensors) + ``out.json``: kind, config, target fingerprint, recipe, steps,
@@ -28,6 +29,7 @@ from .medusa import MedusaConfig, MedusaHeads
 from .training import progress_bar, heldout_acceptance, train
 
 HEADS = ("eagle", "medusa")
+DATA_FIELDS = ("prompts", "texts", "text_tokens", "max_new_tokens", "sampled_fraction", "heldout_fraction", "seed")
 
 
 @dataclass(frozen=True)
@@ -92,31 +94,38 @@ def draft_vocabulary(sequences: list[Sequence], size: int) -> torch.Tensor:
 
 def distill(model: torch.nn.Module, tokenizer=None, *, out: str | Path, head: str = "eagle",
             recipe: Recipe = Recipe(), prompts: list | None = None, texts: list[list[int]] | None = None,
-            resume: bool = False, minutes: float | None = None, progress: bool = True, log=print) -> dict:
+            data: str | Path | None = None, resume: bool = False, minutes: float | None = None, progress: bool = True, log=print) -> dict:
     """Build the training set, train a ``head`` ("eagle" or "medusa") for ``model`` and write ``out`` (+
     ``out.json``).
 
     ``prompts`` / ``texts``: token-id lists instead of the standard-library ones (a model without a
-    tokenizer needs both). Returns the record stored in the JSON's ``recipe``."""
+    tokenizer needs both). ``data``: where the training set is cached (default ``<out>.data.pt``); one
+    built by the same recipe for the same target is reused (an EAGLE and a Medusa head can share it).
+    ``resume``: continue training from ``<out>.ckpt.pt``. Returns the record stored in the JSON's ``recipe``."""
     if head not in HEADS:
         raise ValueError(f"distill: head={head!r} is not one of {', '.join(HEADS)}")
     from ...compiler.options import BackendOptions
     from ...compiler.program import compile_decoder
 
     out = Path(out)
-    data_file = out.with_name(out.name + ".data.pt")
+    data_file = Path(data) if data is not None else out.with_name(out.name + ".data.pt")
     t0 = time.perf_counter()
     # the target as the engine sees it (vocabulary, layers), and its features (the hidden_states pass)
     program = compile_decoder(model, BackendOptions(page_size=16, hidden_states=True, lowering="eager",
                                                     self_check=False))
     vocab = program.vocab_size
-    if resume and data_file.is_file():
-        sequences = [Sequence(**s) for s in torch.load(data_file, weights_only=False)]
+    recipe_of_data = {k: v for k, v in asdict(recipe).items() if k in DATA_FIELDS}
+    stored = torch.load(data_file, weights_only=False) if data_file.is_file() else None
+    if stored is not None and stored["recipe"] == recipe_of_data and stored["target"] == target_fingerprint(model, vocab):
+        sequences = [Sequence(**s) for s in stored["sequences"]]
         log(f"distill: {len(sequences)} sequences from {data_file}")
     else:
+        if stored is not None:
+            log(f"distill: {data_file} holds another recipe's or model's data; building it again")
         sequences = build_training_set(model, tokenizer, program, recipe, prompts, texts, progress, log)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        torch.save([asdict(s) for s in sequences], data_file)
+        data_file.parent.mkdir(parents=True, exist_ok=True)
+        torch.save({"recipe": recipe_of_data, "target": target_fingerprint(model, vocab),
+                    "sequences": [asdict(s) for s in sequences]}, data_file)
     data_seconds = time.perf_counter() - t0
     torch.manual_seed(recipe.seed)
     h = new_head(head, model, vocab, draft_vocabulary(sequences, min(recipe.draft_vocab, vocab)), recipe)
