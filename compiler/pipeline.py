@@ -12,7 +12,7 @@ Phase 2 (decoder programs): turn the cache-free graph into an incremental, paged
     tree_mask   (tree_nodes > 0) attention takes the step's token-tree mask
     cleanup     dead mask construction and aranges removed
     select_logits  the LM head runs only on the rows whose logits are needed
-    hidden_states  (hidden_states) the LM head's input rows become an output too (a draft head's features)
+    hidden_states  (hidden_states) the LM head's input, every token's, becomes an output too (a draft head's features)
     fuse_linears   linears reading one input (q/k/v, gate/up) become one linear over stacked weights
     quantize_weights  (weight_dtype bfloat16/int8/fp8/int4) linears read quantized weights
 The backend's own (cache-free) graph runs phase 1 and quantize_weights.

@@ -79,7 +79,8 @@ class Engine:
     num_blocks: size of the block pool (block 0 is reserved).
     max_num_seqs, max_tokens_per_step: continuous-batching limits (prefills are chunked to fit).
     draft: speculative decoding proposer: ``"ngram"``/``"ngram:N"`` (prompt lookup),
-        ``"layer_skip:K"`` (the target's first K layers, sharing their cache) or a draft
+        ``"eagle"``/``"medusa"`` (the learned heads shipped for the model, or ``"eagle:PATH"``; see
+        ``runtime/heads``), ``"layer_skip:K"`` (the target's first K layers, sharing their cache) or a draft
         ``nn.Module`` with the same vocabulary, or any object implementing
         :class:`~specgraph.runtime.proposers.Proposer`; None disables speculation.
     num_draft_tokens: k, the drafts verified per target forward (with ``adaptive``, the most).
@@ -87,6 +88,8 @@ class Engine:
         (``runtime/token_tree.py``): ``"static:W1,W2,..."`` (the draft's top-``W1`` at depth 1, top-``W2``
         under each at depth 2, ...) or ``"dynamic:N"`` (the ``N`` most confident nodes, EAGLE-2);
         ``num_draft_tokens`` is then ignored, and ``adaptive`` must be off (its default with a tree).
+        Learned heads (``"eagle"``, ``"medusa"``) draft their kind's default tree unless ``adaptive=True``
+        (chains sized by the controller); ``engine.draft_tree = None`` switches to chains.
     adaptive: let a controller choose each step's draft length per sequence (0 to
         ``num_draft_tokens``) from measured acceptance and cost (``runtime/controller.py``); the
         default when a draft is given. ``adaptive=False`` drafts ``num_draft_tokens`` every step.
@@ -119,7 +122,7 @@ class Engine:
         from .proposers import kind_of
 
         kind = kind_of(draft)
-        if draft_tree is None and kind is not None:
+        if draft_tree is None and kind is not None and not adaptive:  # (the controller sizes chains)
             draft_tree = kind.default_tree
         tree = None
         if draft_tree is not None:
@@ -162,6 +165,10 @@ class Engine:
             proposer = make_proposer(draft, DraftContext(
                 model, self.program, self.kv, self.kv_cache, page_size, self.num_blocks, self.table_width, device,
                 draft_weight_dtype, draft_calibration))
+            if getattr(proposer, "wants_features", False) and not self._features:
+                raise ValueError(f"the proposer {getattr(proposer, 'name', proposer)!r} drafts from the target's hidden "
+                                 f"states: give its registered spec (e.g. draft='eagle:PATH'), so the target is "
+                                 f"compiled to return them")
         elif draft_weight_dtype is not None:
             raise ValueError(f"draft_weight_dtype={draft_weight_dtype!r} is given without a draft")
         if adaptive and proposer is None:

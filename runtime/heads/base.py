@@ -92,14 +92,6 @@ def save_head(head: DraftHead, path: str | Path, dtype: torch.dtype = torch.floa
     return path
 
 
-def head_kind(path: str | Path) -> str | None:
-    """The kind named in a stored head's config (None when it cannot be read)."""
-    try:
-        return json.loads(config_path(path).read_text()).get("kind")
-    except (OSError, ValueError):
-        return None
-
-
 def load_head(path: str | Path, kinds: dict[str, type], dtype: torch.dtype = torch.float32,
               device="cpu") -> DraftHead:
     """A saved head of one of ``kinds`` (kind -> its ``DraftHead`` class, whose ``config_class`` parses the
@@ -112,11 +104,13 @@ def load_head(path: str | Path, kinds: dict[str, type], dtype: torch.dtype = tor
         raise ValueError(f"draft head {path}: needs {path.name} and {cfg_file.name} (made by `specgraph distill`)")
     try:
         raw = json.loads(cfg_file.read_text())
-        if raw.pop("format", None) != FORMAT:
-            raise ValueError(f"format is not {FORMAT}")
-        kind = raw.pop("kind", None)
-        if kind not in kinds:
-            raise ValueError(f"it is a {kind!r} head, not {' or '.join(map(repr, kinds))}")
+    except (OSError, ValueError) as e:
+        raise ValueError(f"draft head {path}: {cfg_file.name} is malformed: {e}") from e
+    kind, fmt = raw.pop("kind", None), raw.pop("format", None)
+    if fmt != FORMAT or kind not in kinds:
+        raise ValueError(f"draft head {path}: it is a {kind!r} head of format {fmt}, not "
+                         f"{' or '.join(map(repr, kinds))} of format {FORMAT}")
+    try:
         cls = kinds[kind]
         head = cls(cls.config_class(**raw))
         tensors = load_file(str(path))

@@ -129,6 +129,7 @@ def distill(model: torch.nn.Module, tokenizer=None, *, out: str | Path, head: st
     data_seconds = time.perf_counter() - t0
     torch.manual_seed(recipe.seed)
     h = new_head(head, model, vocab, draft_vocabulary(sequences, min(recipe.draft_vocab, vocab)), recipe)
+    h.to(program.device)
     trained = train(h, sequences, recipe, out.with_name(out.name + ".ckpt.pt"), resume, minutes, progress)
     acceptance = heldout_acceptance(h, sequences)
     tokens = sum(len(s.ids) for s in sequences)

@@ -153,14 +153,15 @@ def teacher_features(program, page: int, sequences: list[Sequence], chunk: int =
 
     longest = max(len(s.ids) for s in sequences)
     blocks = -(-longest // page) + 1
-    cache = program.new_kv_cache(blocks + 1)
+    device = program.device
+    cache = program.new_kv_cache(blocks + 1, device=device)
     table = list(range(1, blocks + 1))
     for s in sequences:
         rows = []
         for start in range(0, len(s.ids), chunk):
             n = min(chunk, len(s.ids) - start)
             meta = AttentionMetadata.build([(table, start, n)], page, [[n - 1]])
-            _, hidden = program(torch.tensor(s.ids[start:start + n]), meta, cache, return_hidden=True)
+            _, hidden = program(torch.tensor(s.ids[start:start + n], device=device), meta, cache, return_hidden=True)
             rows.append(hidden.to(torch.float16).cpu())
         s.feats = torch.cat(rows)
         if progress is not None:

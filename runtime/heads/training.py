@@ -60,7 +60,8 @@ def eagle_losses(head: EagleHead, ids, feats, lens, unroll: int, noise: float = 
     t = ids.shape[1]
     out = []
     for j, g in enumerate(outs):
-        valid = (torch.arange(t)[None] + j < lens[:, None] - 1)  # g_j[s] predicts f_{s+j}; its next token exists
+        # g_j[s] predicts f_{s+j}; the token after it exists
+        valid = torch.arange(t, device=ids.device)[None] + j < lens[:, None] - 1
         target = torch.cat([feats[:, j:], feats.new_zeros(feats.shape[0], j, feats.shape[2])], dim=1)
         with torch.no_grad():
             teacher = torch.softmax(head.draft_logits(target), dim=-1)
@@ -79,7 +80,7 @@ def medusa_losses(head: MedusaHeads, ids, feats, lens):
     t = ids.shape[1]
     out = []
     for k, g in enumerate(head(feats), start=1):
-        valid = torch.arange(t)[None] + k < lens[:, None]
+        valid = torch.arange(t, device=ids.device)[None] + k < lens[:, None]
         target = torch.cat([feats[:, k:], feats.new_zeros(feats.shape[0], k, feats.shape[2])], dim=1)
         with torch.no_grad():
             teacher = torch.softmax(head.draft_logits(target), dim=-1)
@@ -101,6 +102,7 @@ def train(head: DraftHead, sequences: list[Sequence], recipe, checkpoint: Path |
     """Train ``head`` on the training split; returns ``{"first_step", "steps" (done), "first_loss", "loss" (the
     mean of the first and of the last 20 steps of this run), "seconds"}``."""
     windows = _windows([s for s in sequences if not s.heldout], recipe.window)
+    device = head.draft_ids.device
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=recipe.lr, betas=(0.9, 0.95), weight_decay=0.0)
     rng = random.Random(recipe.seed)
@@ -120,7 +122,8 @@ def train(head: DraftHead, sequences: list[Sequence], recipe, checkpoint: Path |
     while step < recipe.steps:
         if minutes is not None and time.perf_counter() - t0 > minutes * 60:
             break
-        ids, feats, lens = _batch(windows, [rng.randrange(len(windows)) for _ in range(recipe.batch)])
+        ids, feats, lens = (t.to(device) for t in _batch(windows, [rng.randrange(len(windows))
+                                                                     for _ in range(recipe.batch)]))
         losses = head_losses(head, ids, feats, lens, recipe)
         total = sum(0.8 ** j * l for j, (l, _) in enumerate(losses))
         opt.zero_grad(set_to_none=True)
@@ -132,8 +135,10 @@ def train(head: DraftHead, sequences: list[Sequence], recipe, checkpoint: Path |
         losses_seen.append(total.item())
         bar.update(1)
         bar.set_postfix(loss=f"{losses_seen[-1]:.3f}", top1=f"{losses[0][1]:.2f}")
-        if checkpoint is not None and (step % 250 == 0 or step == recipe.steps):
+        if checkpoint is not None and step % 250 == 0:
             torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "step": step, "rng": rng}, checkpoint)
+    if checkpoint is not None:  # (also when --minutes stopped it)
+        torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "step": step, "rng": rng}, checkpoint)
     bar.close()
     head.eval()
     mean = (lambda xs: round(sum(xs) / len(xs), 4) if xs else None)
@@ -165,16 +170,18 @@ def heldout_acceptance(head: DraftHead, sequences: list[Sequence], depth: int = 
     first ``j`` chain drafts all equal the target's tokens (a chain of ``depth`` then gains ``1 + sum``
     tokens per target forward)."""
     depth = min(depth, getattr(head.cfg, "num_heads", depth))
-    hits, count = torch.zeros(depth), 0
+    hits, counts = torch.zeros(depth), torch.zeros(depth)
+    device = head.draft_ids.device
     for s in sequences:
         if not (s.heldout and s.greedy) or len(s.ids) - s.prompt_len < 2:
             continue
-        ids = torch.tensor(s.ids)
+        ids = torch.tensor(s.ids, device=device)
         n = len(s.ids)
-        ok = torch.ones(n, dtype=torch.bool)
-        for j, draft in enumerate(chain_drafts(head, ids, s.feats.float(), depth)):
+        ok = torch.ones(n, dtype=torch.bool, device=device)
+        for j, draft in enumerate(chain_drafts(head, ids, s.feats.to(device).float(), depth)):
             truth = torch.cat([ids[j + 1:], ids.new_full((j + 1,), -1)])
             ok &= draft == truth
-            hits[j] += ok[s.prompt_len:n - 1].sum()  # drafting starts once the answer's first token is out
-        count += n - 1 - s.prompt_len
-    return (hits / max(count, 1)).tolist()
+            # chains from the answer's first token on, whose j-th draft's token exists
+            hits[j] += ok[s.prompt_len:n - 1 - j].sum().item()
+            counts[j] += max(0, n - 1 - j - s.prompt_len)
+    return (hits / counts.clamp(min=1)).tolist()

@@ -36,23 +36,27 @@ class EagleProposer:
         self.head, self.kv, self.page_size = head, kv, page_size
         self.kv_cache = [head.new_cache(num_blocks, page_size, device, head.fc.weight.dtype)]
         self._fed: dict[int, int] = {}  # slots of each sequence holding true pairs
-        self._feats: dict[int, tuple[int, torch.Tensor]] = {}  # (first position, [n, hidden]) not yet fed
+        self._feats: dict[int, tuple[int, list[torch.Tensor]]] = {}  # (first position, [n_i, hidden] chunks) not fed
 
     # ------------------------------------------------------------ features
     def on_features(self, request_id: int, first: int, feats: torch.Tensor) -> None:
         """The target's features ``f_first .. f_{first+n-1}`` of one sequence (later ones replace earlier)."""
-        held = self._feats.get(request_id)
-        if held is not None and held[0] <= first <= held[0] + len(held[1]):
-            feats = torch.cat([held[1][:first - held[0]], feats])
-            first = held[0]
-        self._feats[request_id] = (first, feats.to(self.head.fc.weight.dtype))
+        feats = feats.to(self.head.fc.weight.dtype).clone()  # (not a view keeping the whole step's states alive)
+        start, chunks = self._feats.get(request_id, (first, []))
+        held = sum(len(c) for c in chunks)
+        if not start <= first <= start + held:  # a gap (a prefix-cache hit, a recompute): start over
+            start, chunks, held = first, [], 0
+        if first < start + held:  # re-sent positions replace the held ones
+            chunks = [torch.cat(chunks)[:first - start]]
+        self._feats[request_id] = (start, chunks + [feats])
 
     def _true_pairs(self, r: DraftRequest) -> tuple[int, list[int], torch.Tensor] | None:
         """``(first slot, tokens, features)`` of the committed slots to feed, through the last committed
         token's (slot ``t`` takes ``f_{t-1}``; slot 0 zeros); None when the features for them are missing."""
         rid, n = r.request_id, len(r.token_ids)
-        first, feats = self._feats.get(rid, (0, None))
-        if feats is None or first + len(feats) < n - 1:
+        first, chunks = self._feats.get(rid, (0, []))
+        feats = torch.cat(chunks) if len(chunks) != 1 else chunks[0]
+        if not chunks or first + len(feats) < n - 1:
             return None
         start = max(self._fed.get(rid, 0), 0 if first == 0 else first + 1)
         if start > n - 1:
@@ -79,16 +83,16 @@ class EagleProposer:
             return [], torch.empty(0)
         g = self._forward(ids, torch.cat(feats), seqs, [[n - 1] for _, _, n in seqs])
         for r in ready:
-            n = len(r.token_ids)
-            self._fed[r.request_id] = n
-            first, held = self._feats[r.request_id]
-            self._feats[r.request_id] = (n - 1, held[n - 1 - first:])  # f_{n-1} onward comes with the verify
+            self._fed[r.request_id] = len(r.token_ids)
+            self._feats[r.request_id] = (len(r.token_ids) - 1, [])  # f_{n-1} comes with the verify
         return ready, g
 
     def _forward(self, ids: list[int], feats: torch.Tensor, seqs, want, trees=None, tree_words=0) -> torch.Tensor:
-        meta = AttentionMetadata.build(seqs, self.page_size, want, trees, tree_words)
+        device = feats.device
+        meta = AttentionMetadata.build(seqs, self.page_size, want, trees, tree_words).to(device)
         with torch.no_grad():
-            g = self.head.forward_paged(torch.tensor(ids, dtype=torch.long), feats, meta, *self.kv_cache[0])
+            g = self.head.forward_paged(torch.tensor(ids, dtype=torch.long, device=device), feats, meta,
+                                        *self.kv_cache[0])
         return g.index_select(0, meta.logits_indices) if trees is None else g
 
     # ------------------------------------------------------------- drafting

@@ -16,12 +16,11 @@ from .base import DraftContext, DraftRequest
 SHIPPED = Path(__file__).resolve().parent.parent / "heads" / "shipped"
 
 
-def shipped_head(model: torch.nn.Module, vocab: int, kind: str) -> Path:
-    """The ``kind`` head shipped for this target; ``ValueError`` saying how to make one."""
-    want = target_fingerprint(model, vocab)
+def shipped_head(target: dict, kind: str) -> Path:
+    """The ``kind`` head shipped for the target of fingerprint ``target``; ``ValueError`` saying how to make one."""
     for cfg in sorted(SHIPPED.glob("*.safetensors.json")):
         stored = json.loads(cfg.read_text())
-        if stored.get("kind") == kind and stored.get("target") == want:
+        if stored.get("kind") == kind and stored.get("target") == target:
             return cfg.with_name(cfg.name[:-len(".json")])
     raise ValueError(f"draft={kind!r}: no {kind} head is shipped for this model; make one with `specgraph distill "
                      f"--model <model> --head {kind} --out head.safetensors` and pass draft='{kind}:head.safetensors'")
@@ -35,11 +34,12 @@ def load_target_head(arg: str, ctx: DraftContext, cls: type[DraftHead]) -> Draft
     spec = f"{kind}:{arg}" if arg else kind
     ctx.refuse_own_weight_dtype(spec, f"a {kind} head has its own weights, distilled in float")
     vocab = ctx.program.vocab_size
-    path = Path(arg).expanduser() if arg else shipped_head(ctx.model, vocab, kind)
+    target = target_fingerprint(ctx.model, vocab)
+    path = Path(arg).expanduser() if arg else shipped_head(target, kind)
     embed, lm_head = target_vocab_weights(ctx.model, vocab)
     head = load_head(path, {kind: cls}, dtype=embed.dtype, device=ctx.device).attach(embed, lm_head)
     made_for = head.cfg.target.get("lm_head_digest")
-    if made_for and made_for != target_fingerprint(ctx.model, vocab)["lm_head_digest"]:
+    if made_for and made_for != target["lm_head_digest"]:
         warnings.warn(f"{kind} head {path} was distilled from another model with the same sizes: expect low "
                       f"acceptance (outputs stay exact)", RuntimeWarning, stacklevel=4)
     return head.eval()
@@ -53,7 +53,7 @@ def draw(head: DraftHead, r: DraftRequest, logits: torch.Tensor, qs: list[torch.
         return int(ids[int(torch.argmax(logits))])
     full = logits.new_full((head.cfg.vocab_size,), float("-inf"))
     full[ids] = logits
-    q = probabilities(full, r.params)
+    q = probabilities(full, r.params).cpu()  # (verification and the request's generator live on the host)
     qs.append(q)
     return int(torch.multinomial(q, 1, generator=r.generator))
 
