@@ -45,6 +45,11 @@ def _batch(windows, picks: list[int]):
     return ids, feats, lens
 
 
+def _shifted(x: torch.Tensor, j: int) -> torch.Tensor:
+    """``x[:, s + j]`` at row ``s`` (zeros past the end): ``[B, T, ...]``."""
+    return torch.cat([x[:, j:], x.new_zeros(x.shape[0], j, *x.shape[2:])], dim=1) if j else x
+
+
 def kl(teacher: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
     """KL(teacher || head) per row: the cross-entropy less the teacher's entropy (same gradient), so the loss
     reaches 0 when the head matches the target, however uncertain the target is."""
@@ -58,13 +63,13 @@ def eagle_losses(head: EagleHead, ids, feats, lens, unroll: int, noise: float = 
     noisy = feats + (torch.rand_like(feats) * 2 - 1) * noise * feats.std() if noise else feats
     outs = head.unrolled(ids, noisy, unroll)
     t = ids.shape[1]
+    with torch.no_grad():
+        teachers = torch.softmax(head.draft_logits(feats), dim=-1)
     out = []
     for j, g in enumerate(outs):
         # g_j[s] predicts f_{s+j}; the token after it exists
         valid = torch.arange(t, device=ids.device)[None] + j < lens[:, None] - 1
-        target = torch.cat([feats[:, j:], feats.new_zeros(feats.shape[0], j, feats.shape[2])], dim=1)
-        with torch.no_grad():
-            teacher = torch.softmax(head.draft_logits(target), dim=-1)
+        target, teacher = _shifted(feats, j), _shifted(teachers, j)
         logp = torch.log_softmax(head.draft_logits(g), dim=-1)
         vloss = F.smooth_l1_loss(g, target, reduction="none").mean(-1)
         ploss = kl(teacher, logp)
@@ -78,12 +83,12 @@ def medusa_losses(head: MedusaHeads, ids, feats, lens):
     """Per head ``k`` ``(loss, top-1 agreement)``: KL divergence of head ``k`` at ``f_s`` from the target's
     distribution at ``f_{s+k}`` (over the draft vocabulary), i.e. for token ``s + k + 1``."""
     t = ids.shape[1]
+    with torch.no_grad():
+        teachers = torch.softmax(head.draft_logits(feats), dim=-1)
     out = []
     for k, g in enumerate(head(feats), start=1):
         valid = torch.arange(t, device=ids.device)[None] + k < lens[:, None]
-        target = torch.cat([feats[:, k:], feats.new_zeros(feats.shape[0], k, feats.shape[2])], dim=1)
-        with torch.no_grad():
-            teacher = torch.softmax(head.draft_logits(target), dim=-1)
+        teacher = _shifted(teachers, k)
         logp = torch.log_softmax(head.draft_logits(g), dim=-1)
         loss = (kl(teacher, logp) * valid).sum() / valid.sum().clamp(min=1)
         agree = ((logp.argmax(-1) == teacher.argmax(-1)) & valid).sum() / valid.sum().clamp(min=1)
