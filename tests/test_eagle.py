@@ -12,7 +12,7 @@ from specgraph.runtime.heads.base import load_head, target_vocab_weights
 from specgraph.runtime.heads.distill import Recipe, distill, target_head_config
 from specgraph.runtime.heads.eagle import EagleHead
 from specgraph.runtime.heads.training import eagle_losses
-from models import tiny_llama
+from models import VOCAB as VOCAB_OF, make_family, tiny_llama
 from test_speculative import _exact_marginals, _passes, _peaky
 
 VOCAB = 96
@@ -168,3 +168,21 @@ def test_step_losses_mask_the_padding():
         valid = [9 - 1 - j, 6 - 1 - j]
         mixed = (alone[j][0] * valid[0] + short[j][0] * valid[1]) / sum(valid)
         torch.testing.assert_close(both[j][0], mixed, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "nanogpt", "sdpa_gqa"])
+@pytest.mark.parametrize("kind", ["eagle", "medusa"])
+def test_heads_for_any_decoder_the_compiler_accepts(tmp_path, family, kind):
+    """A head is distilled and drafts for each test family (features found by structure, whatever the model's
+    norm, positions or attention); greedy output stays exact."""
+    model = make_family(family)
+    vocab = VOCAB_OF[family]
+    prompts, texts = _patterned(vocab, seed=1)
+    out = tmp_path / "head.safetensors"
+    distill(model, None, out=out, head=kind, prompts=prompts[:8], texts=texts[:4], progress=False, log=lambda _: None,
+            recipe=Recipe(steps=10, batch=2, window=32, draft_vocab=40, max_new_tokens=8))
+    plain = specgraph.Engine(model, num_blocks=32, page_size=8)
+    spec = specgraph.Engine(model, num_blocks=32, page_size=8, draft=f"{kind}:{out}")
+    want = [r.token_ids for r in plain.generate(prompts[:3], max_new_tokens=10, ignore_eos=True)]
+    assert [r.token_ids for r in spec.generate(prompts[:3], max_new_tokens=10, ignore_eos=True)] == want
+    assert spec.stats["tree_nodes_verified"] > 0
