@@ -96,8 +96,9 @@ def test_eagle_drafting_is_lossless_greedy(tiny_head, tree):
     model, out, _ = tiny_head
     prompts, _ = _patterned(VOCAB, seed=0)
     plain = specgraph.Engine(model, num_blocks=64, page_size=8)
-    spec = specgraph.Engine(model, num_blocks=64, page_size=8, draft=f"eagle:{out}")
-    assert spec.draft_tree == "dynamic:16" and not spec.adaptive  # the kind's default tree
+    default = specgraph.Engine(model, num_blocks=64, page_size=8, draft=f"eagle:{out}")
+    assert default.draft_tree == "static:2,1,1" and not default.adaptive  # the kind's default tree
+    spec = specgraph.Engine(model, num_blocks=64, page_size=8, draft=f"eagle:{out}", draft_tree="dynamic:6")
     spec.draft_tree = tree
     for batch in (prompts[:1], prompts[3:7]):
         want = [r.token_ids for r in plain.generate(batch, max_new_tokens=16, ignore_eos=True)]

@@ -33,8 +33,9 @@ def test_medusa_drafting_is_lossless_greedy(tiny_medusa, tree):
     model, out, _ = tiny_medusa
     prompts, _ = _patterned(VOCAB)
     plain = specgraph.Engine(model, num_blocks=64, page_size=8)
-    spec = specgraph.Engine(model, num_blocks=64, page_size=8, draft=f"medusa:{out}")
-    assert spec.draft_tree == "static:4,2,2,1" and not spec.adaptive  # the kind's default tree
+    default = specgraph.Engine(model, num_blocks=64, page_size=8, draft=f"medusa:{out}")
+    assert default.draft_tree == "static:2,1" and not default.adaptive  # the kind's default tree
+    spec = specgraph.Engine(model, num_blocks=64, page_size=8, draft=f"medusa:{out}", draft_tree="static:4,2,2,1")
     spec.draft_tree = tree
     for batch in (prompts[:1], prompts[3:7]):
         want = [r.token_ids for r in plain.generate(batch, max_new_tokens=16, ignore_eos=True)]

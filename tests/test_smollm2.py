@@ -73,8 +73,8 @@ def test_shipped_eagle_head_is_found_accepts_and_keeps_greedy_output(smollm2):
     model, tok, engine, prompts = smollm2
     plain = engine.generate(prompts[:4], max_new_tokens=40, ignore_eos=True)
     spec = specgraph.Engine(model, tokenizer=tok, page_size=16, draft="eagle", lowering="eager")
-    assert spec.draft_tree == "dynamic:16" and spec.proposer.name == "eagle"
-    for tree in ("dynamic:16", None):
+    assert spec.draft_tree == "static:2,1,1" and spec.proposer.name == "eagle"
+    for tree in ("static:2,1,1", "static:2,1", None):
         spec.draft_tree = tree
         for batch in (prompts[:1], prompts[:4]):
             got = spec.generate(batch, max_new_tokens=40, ignore_eos=True)
