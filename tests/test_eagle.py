@@ -110,6 +110,12 @@ def test_eagle_drafting_is_lossless_greedy(tiny_head, tree):
     a = spec.generate([shared, shared + prompts[1]], max_new_tokens=12, ignore_eos=True)
     b = plain.generate([shared, shared + prompts[1]], max_new_tokens=12, ignore_eos=True)
     assert [r.token_ids for r in a] == [r.token_ids for r in b] and spec.stats["cached_prompt_tokens"] > 0
+    # the same prompt again: everything but its last token is cached, so the first step feeds one token (it looks
+    # like a decode) before the head has any feature of this request: no draft that step, exact output
+    again = shared[:8 * 3] + prompts[2][:1]
+    for _ in range(2):
+        assert spec.generate(again, max_new_tokens=6, ignore_eos=True)[0].token_ids == \
+            plain.generate(again, max_new_tokens=6, ignore_eos=True)[0].token_ids
 
 
 @pytest.mark.parametrize("tree", [None, "static:2,1"])

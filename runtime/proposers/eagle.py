@@ -55,8 +55,10 @@ class EagleProposer:
         token's (slot ``t`` takes ``f_{t-1}``; slot 0 zeros); None when the features for them are missing."""
         rid, n = r.request_id, len(r.token_ids)
         first, chunks = self._feats.get(rid, (0, []))
-        feats = torch.cat(chunks) if len(chunks) != 1 else chunks[0]
-        if not chunks or first + len(feats) < n - 1:
+        if not chunks:
+            return None
+        feats = torch.cat(chunks) if len(chunks) > 1 else chunks[0]
+        if first + len(feats) < n - 1:
             return None
         start = max(self._fed.get(rid, 0), 0 if first == 0 else first + 1)
         if start > n - 1:
