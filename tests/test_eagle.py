@@ -91,20 +91,29 @@ def test_resume_continues_from_the_checkpoint(tiny_head, tmp_path):
     assert record["steps"] == 160 and record["first_step"] == 150  # ten more steps, the data reused
 
 
-@pytest.mark.parametrize("tree", ["dynamic:6", None])
-def test_eagle_drafting_is_lossless_greedy(tiny_head, tree):
-    model, out, _ = tiny_head
-    prompts, _ = _patterned(VOCAB, seed=0)
+def check_greedy_lossless(model, draft: str, default_tree: str, room: str, tree: str | None):
+    """The kind's default tree is ``default_tree``; an engine compiled with room for ``room``, drafting ``tree``
+    (None: chains), emits plain greedy's tokens at batch 1 and 4 and gains from the trained head. Returns
+    ``(plain, spec)`` engines."""
+    prompts, _ = _patterned(VOCAB)
     plain = specgraph.Engine(model, num_blocks=64, page_size=8)
-    default = specgraph.Engine(model, num_blocks=64, page_size=8, draft=f"eagle:{out}")
-    assert default.draft_tree == "static:2,1,1" and not default.adaptive  # the kind's default tree
-    spec = specgraph.Engine(model, num_blocks=64, page_size=8, draft=f"eagle:{out}", draft_tree="dynamic:6")
+    default = specgraph.Engine(model, num_blocks=64, page_size=8, draft=draft)
+    assert default.draft_tree == default_tree and not default.adaptive
+    spec = specgraph.Engine(model, num_blocks=64, page_size=8, draft=draft, draft_tree=room)
     spec.draft_tree = tree
     for batch in (prompts[:1], prompts[3:7]):
         want = [r.token_ids for r in plain.generate(batch, max_new_tokens=16, ignore_eos=True)]
         got = [r.token_ids for r in spec.generate(batch, max_new_tokens=16, ignore_eos=True)]
         assert got == want
     assert spec.stats["draft_tokens"] > 0 and spec.stats["mean_accepted_tokens"] > 1.2  # it learned the phrases
+    return plain, spec
+
+
+@pytest.mark.parametrize("tree", ["dynamic:6", None])
+def test_eagle_drafting_is_lossless_greedy(tiny_head, tree):
+    model, out, _ = tiny_head
+    plain, spec = check_greedy_lossless(model, f"eagle:{out}", "static:2,1,1", "dynamic:6", tree)
+    prompts, _ = _patterned(VOCAB)
     # prefix caching (a shared prompt's blocks: the head's K/V there is reused) and forks stay exact
     shared = prompts[0] * 3
     a = spec.generate([shared, shared + prompts[1]], max_new_tokens=12, ignore_eos=True)

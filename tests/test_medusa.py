@@ -7,7 +7,7 @@ import torch
 import specgraph
 from specgraph.runtime.heads.distill import Recipe, distill
 from models import tiny_llama
-from test_eagle import VOCAB, _patterned
+from test_eagle import VOCAB, _patterned, check_greedy_lossless
 from test_speculative import _exact_marginals, _passes, _peaky
 
 
@@ -31,17 +31,7 @@ def test_tiny_medusa_distill_runs_and_the_loss_falls(tiny_medusa):
 @pytest.mark.parametrize("tree", ["static:4,2,2,1", "static:2,2", None])
 def test_medusa_drafting_is_lossless_greedy(tiny_medusa, tree):
     model, out, _ = tiny_medusa
-    prompts, _ = _patterned(VOCAB)
-    plain = specgraph.Engine(model, num_blocks=64, page_size=8)
-    default = specgraph.Engine(model, num_blocks=64, page_size=8, draft=f"medusa:{out}")
-    assert default.draft_tree == "static:2,1" and not default.adaptive  # the kind's default tree
-    spec = specgraph.Engine(model, num_blocks=64, page_size=8, draft=f"medusa:{out}", draft_tree="static:4,2,2,1")
-    spec.draft_tree = tree
-    for batch in (prompts[:1], prompts[3:7]):
-        want = [r.token_ids for r in plain.generate(batch, max_new_tokens=16, ignore_eos=True)]
-        got = [r.token_ids for r in spec.generate(batch, max_new_tokens=16, ignore_eos=True)]
-        assert got == want
-    assert spec.stats["draft_tokens"] > 0 and spec.stats["mean_accepted_tokens"] > 1.2  # it learned the phrases
+    check_greedy_lossless(model, f"medusa:{out}", "static:2,1", "static:4,2,2,1", tree)
 
 
 @pytest.mark.parametrize("tree", [None, "static:2,2"])
