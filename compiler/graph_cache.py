@@ -65,7 +65,7 @@ def cache_key(model: torch.nn.Module, options: BackendOptions, example_len: int)
     parts = [str(FORMAT), torch.__version__, transformers.__version__, _sources_digest(),
              f"{type(model).__module__}.{type(model).__qualname__}",
              config.to_json_string() if hasattr(config, "to_json_string") else repr(config),
-             options.kv_dtype, options.weight_dtype, hashlib.blake2b(repr(options.weight_calibration).encode()).hexdigest(),
+             options.kv_dtype, str(options.hot_window_tokens), options.weight_dtype, hashlib.blake2b(repr(options.weight_calibration).encode()).hexdigest(),
              str(options.page_size), str(options.self_check), str(example_len), str(options.tree_nodes),
              str(options.hidden_states),
              str(next(iter(model.parameters())).device), _weights_digest(model)]

@@ -10,7 +10,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-KV_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8", "int4")
+KV_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8", "int4", "adaptive")
+DEFAULT_HOT_WINDOW = 32  # tokens kept in the compute dtype per sequence under fp8 / int4 / adaptive
 WEIGHT_DTYPES = ("auto", "float32", "bfloat16", "int8", "fp8", "int4")
 PAGE_SIZES = (8, 16, 32)
 MAX_TREE_NODES = 128  # nodes of one sequence's token tree in a step (4 mask words)
@@ -28,7 +29,16 @@ class BackendOptions:
     ----------
     kv_dtype:
         Storage type of the KV cache: ``"auto"`` (the model's dtype), ``"float32"``,
-        ``"bfloat16"``, ``"float16"``, ``"fp8"`` (e4m3 + per-token scales) or ``"int4"``.
+        ``"bfloat16"``, ``"float16"``, ``"fp8"`` (e4m3 + per-token scales), ``"int4"``, or
+        ``"adaptive"``. fp8 and int4 keep each sequence's newest ``kv_hot_window`` tokens in the
+        model's dtype and store older pages quantized (a hot/cold cache, ``kernels/hot_cold.py``);
+        ``"adaptive"`` keeps every page in the model's dtype while the hot pages have room and
+        quantizes (fp8) the oldest pages outside the window, longest sequences first, only when a
+        step would otherwise preempt: its outputs may then depend on load, unlike ``"auto"``'s.
+    kv_hot_window:
+        Tokens per sequence kept in the model's dtype under fp8 / int4 / adaptive (rounded up to
+        whole pages; the page being written is always hot). ``None``: ``DEFAULT_HOT_WINDOW``;
+        ``0`` with fp8 / int4: every page quantized as it is written (no hot pages).
     page_size:
         Tokens per KV-cache block (8, 16 or 32).
     weight_dtype:
@@ -91,12 +101,21 @@ class BackendOptions:
     lowering: str | None = None
     tree_nodes: int = 0
     hidden_states: bool = False
+    kv_hot_window: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.tree_nodes, int) or not 0 <= self.tree_nodes <= MAX_TREE_NODES:
             raise ValueError(f"tree_nodes must be an int in 0..{MAX_TREE_NODES}; got {self.tree_nodes!r}")
         if self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype={self.kv_dtype!r} is not supported; valid: {', '.join(KV_DTYPES)}")
+        if self.kv_hot_window is not None:
+            if not isinstance(self.kv_hot_window, int) or self.kv_hot_window < 0:
+                raise ValueError(f"kv_hot_window must be an int >= 0 (tokens); got {self.kv_hot_window!r}")
+            if self.kv_dtype not in ("fp8", "int4", "adaptive"):
+                raise ValueError(f"kv_hot_window applies to kv_dtype fp8, int4 or adaptive; kv_dtype={self.kv_dtype!r} "
+                                 f"keeps every page in its own dtype")
+            if self.kv_dtype == "adaptive" and self.kv_hot_window == 0:
+                raise ValueError("kv_dtype='adaptive' needs a hot window (kv_hot_window >= 1)")
         if self.weight_dtype not in WEIGHT_DTYPES:
             raise ValueError(f"weight_dtype={self.weight_dtype!r} is not supported; valid: {', '.join(WEIGHT_DTYPES)}")
         calibration = tuple(self.weight_calibration)
@@ -117,6 +136,24 @@ class BackendOptions:
         object.__setattr__(self, "passes", tuple(self.passes))
         if self.dump_dir is None and os.environ.get(DUMP_ENV_VAR):
             object.__setattr__(self, "dump_dir", os.environ[DUMP_ENV_VAR])
+
+    @property
+    def kv_cold_scheme(self) -> str | None:
+        """The quantized format of the cache's pages (``"fp8"`` / ``"int4"``), or None for a float cache."""
+        return "fp8" if self.kv_dtype == "adaptive" else self.kv_dtype if self.kv_dtype in ("fp8", "int4") else None
+
+    @property
+    def kv_hot_cold(self) -> bool:
+        """Whether the cache is hot/cold: float pages for the newest tokens, quantized older ones."""
+        return self.kv_cold_scheme is not None and self.hot_window_tokens > 0
+
+    @property
+    def hot_window_tokens(self) -> int:
+        """The hot window in tokens (0: no hot pages), rounded up to whole pages."""
+        if self.kv_cold_scheme is None:
+            return 0
+        window = DEFAULT_HOT_WINDOW if self.kv_hot_window is None else self.kv_hot_window
+        return -(-window // self.page_size) * self.page_size
 
     @property
     def weight_scheme(self) -> str | None:

@@ -155,17 +155,29 @@ class LayerCacheSpec:
     head_dim: int
     dtype: torch.dtype  # of the float cache (the model's K/V dtype when quantized)
     scheme: Any = None  # kernels.quant.QuantScheme for fp8/int4 caches
+    hot_cold: bool = False  # quantized pages plus float hot pages (kernels/hot_cold.py)
 
     def bytes_per_token(self) -> int:
+        """Bytes of one cached token (K and V, params included); a hot/cold cache's cold pages'."""
         if self.scheme is not None:
             return self.scheme.bytes_per_token(self.kv_heads, self.head_dim)
+        return self.float_bytes_per_token()
+
+    def float_bytes_per_token(self) -> int:
+        """Bytes of one token in the model's dtype (a hot page's)."""
         return 2 * self.kv_heads * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
 
-    def allocate(self, num_blocks: int, page_size: int, device) -> tuple[torch.Tensor, ...]:
-        """``(k_cache, v_cache)``, or ``(k_cache, v_cache, k_scale, v_scale)`` when quantized."""
+    def allocate(self, num_blocks: int, page_size: int, device, num_cold: int = 0) -> tuple[torch.Tensor, ...]:
+        """``(k_cache, v_cache)``, or ``(k_cache, v_cache, k_scale, v_scale)`` when quantized; a hot/cold
+        cache: ``num_cold`` quantized pages, then ``num_blocks`` hot pages ``(k_hot, v_hot)``."""
+        shape = (num_blocks, page_size, self.kv_heads, self.head_dim)
+        if self.hot_cold:
+            from ..kernels.hot_cold import allocate_mixed
+
+            return allocate_mixed(num_blocks, num_cold, page_size, self.kv_heads, self.head_dim, self.dtype,
+                                  self.scheme.name, device)
         if self.scheme is not None:
             return self.scheme.allocate(num_blocks, page_size, self.kv_heads, self.head_dim, device=device).tensors()
-        shape = (num_blocks, page_size, self.kv_heads, self.head_dim)
         return (torch.zeros(shape, dtype=self.dtype, device=device), torch.zeros(shape, dtype=self.dtype, device=device))
 
 
@@ -192,13 +204,25 @@ class DecoderProgram:
         return len(self.layers)
 
     def kv_bytes_per_token(self) -> int:
-        """Cache bytes one token takes over all layers, K and V, scales included."""
+        """Cache bytes one token takes over all layers, K and V, scales included (a hot/cold cache: in a
+        cold page)."""
         return sum(s.bytes_per_token() for s in self.layers)
 
-    def new_kv_cache(self, num_blocks: int, device: torch.device | str = "cpu") -> list[tuple[torch.Tensor, ...]]:
+    def kv_hot_bytes_per_token(self) -> int:
+        """Cache bytes one token takes in a hot page (the model's dtype), over all layers."""
+        return sum(s.float_bytes_per_token() for s in self.layers)
+
+    @property
+    def hot_cold(self) -> bool:
+        """Whether the cache is hot/cold (``kernels/hot_cold.py``): block ids from ``num_blocks`` on are cold."""
+        return bool(self.layers) and self.layers[0].hot_cold
+
+    def new_kv_cache(self, num_blocks: int, device: torch.device | str = "cpu",
+                     num_cold: int = 0) -> list[tuple[torch.Tensor, ...]]:
         """Per-layer cache tensors: ``(k_cache, v_cache)`` of ``[num_blocks, page_size, kv_heads, head_dim]``,
-        plus ``(k_scale, v_scale)`` for a quantized cache."""
-        return [s.allocate(num_blocks, self.page_size, device) for s in self.layers]
+        plus ``(k_scale, v_scale)`` for a quantized cache; a hot/cold cache has ``num_blocks`` hot pages
+        (ids ``0 .. num_blocks - 1``) and ``num_cold`` cold ones (ids from ``num_blocks`` on)."""
+        return [s.allocate(num_blocks, self.page_size, device, num_cold) for s in self.layers]
 
     def graph_inputs(self, input_ids: torch.Tensor, meta: AttentionMetadata,
                      kv_cache: list[tuple[torch.Tensor, ...]]) -> list:
@@ -383,10 +407,11 @@ def cached_program(gm: fx.GraphModule, spec: dict, options: BackendOptions) -> D
     from .passes import PassContext
     from .signature import DecoderSignature
 
-    scheme = get_scheme(options.kv_dtype) if options.kv_dtype in ("fp8", "int4") else None
+    scheme = get_scheme(options.kv_cold_scheme) if options.kv_cold_scheme is not None else None
     context = PassContext(options=options, signature=DecoderSignature(dict(spec["signature"])), kv_scheme=scheme,
                           selects_logits=spec["selects_logits"])
-    layers = [LayerCacheSpec(kv_heads, head_dim, dtype, scheme) for kv_heads, head_dim, dtype in spec["layers"]]
+    layers = [LayerCacheSpec(kv_heads, head_dim, dtype, scheme, options.kv_hot_cold)
+              for kv_heads, head_dim, dtype in spec["layers"]]
     return DecoderProgram(compiled=CompiledGraph(None, gm, context, 0.0), layers=layers,
                           vocab_size=spec["vocab_size"], page_size=spec["page_size"],
                           selects_logits=spec["selects_logits"], logits_index=spec["logits_index"],
@@ -440,7 +465,8 @@ def compile_decoder(model: torch.nn.Module, options: BackendOptions | None = Non
 
         if progress is not None:
             progress("self-check")
-        program.self_check_seconds = self_check(program, options.kv_dtype)
+        # a hot/cold cache is checked as built: every page hot, so exact like a float cache
+        program.self_check_seconds = self_check(program, "auto" if options.kv_hot_cold else options.kv_dtype)
     if key is not None:
         graph_cache.save(key, program, model)
     return program
@@ -454,7 +480,7 @@ def _program(compiled: CompiledGraph, options: BackendOptions) -> DecoderProgram
         raise SignatureError(f"cache inputs for layers {sorted(caches)}; the model has attention sites "
                              f"{[s.layer for s in analysis.sites]}")
     layers = [LayerCacheSpec(s.kv_heads, s.head_dim, s.q.meta["val"].dtype if ctx.kv_scheme else
-                             caches[s.layer]["k"].meta["val"].dtype, ctx.kv_scheme)
+                             caches[s.layer]["k"].meta["val"].dtype, ctx.kv_scheme, ctx.options.kv_hot_cold)
               for s in analysis.sites]
     return DecoderProgram(compiled=compiled, layers=layers, vocab_size=analysis.vocab_size,
                           page_size=options.page_size, selects_logits=ctx.selects_logits,

@@ -152,7 +152,7 @@ def float_twin(program: DecoderProgram) -> DecoderProgram:
     from .backend import CompiledGraph
     from .passes import copy_graph_module
     from .program import _program
-    from .signature import DecoderSignature
+    from .signature import DecoderSignature, Role
 
     ctx = program.compiled.context
     gm = copy_graph_module(program.gm)
@@ -162,7 +162,8 @@ def float_twin(program: DecoderProgram) -> DecoderProgram:
 
         dequantize_linears(gm)
         weight_dtype = "auto"
-    options = dataclasses.replace(ctx.options, kv_dtype="auto", weight_dtype=weight_dtype, prepack_weights=False,
+    options = dataclasses.replace(ctx.options, kv_dtype="auto", kv_hot_window=None, weight_dtype=weight_dtype,
+                                  prepack_weights=False,
                                   dump_dir=None, check="off")
     if ctx.kv_scheme is None:
         gm.recompile()
@@ -170,6 +171,18 @@ def float_twin(program: DecoderProgram) -> DecoderProgram:
         return _program(CompiledGraph(program.compiled.captured, gm, twin_ctx, 0.0), options)
     scheme = ctx.kv_scheme
     signature = DecoderSignature(dict(ctx.signature.specs))
+    if ctx.options.kv_hot_cold:  # the hot pages become the float cache; the cold ones go
+        for node in gm.graph.nodes:
+            if node.op == "call_function" and node.target == torch.ops.specgraph.paged_attention_mixed.default:
+                node.target, node.args = torch.ops.specgraph.paged_attention.default, (*node.args[:3], *node.args[7:])
+        for layer, parts in signature.caches(gm).items():
+            for part in ("k", "v", "k_scale", "v_scale"):
+                signature.remove(gm, parts[part])
+            for part in ("k", "v"):
+                signature.declare(parts[f"{part}_hot"], Role.CACHE, layer, part)
+        gm.recompile()
+        twin_ctx = dataclasses.replace(ctx, options=options, signature=signature, kv_scheme=None)
+        return _program(CompiledGraph(program.compiled.captured, gm, twin_ctx, 0.0), options)
     # quantized op -> (float op, where k_scale, v_scale sit among its arguments)
     float_ops = {scheme.write_op.default: (torch.ops.specgraph.cache_write.default, 4),
                  scheme.attention_op.default: (torch.ops.specgraph.paged_attention.default, 3)}

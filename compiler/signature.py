@@ -27,10 +27,12 @@ class Role(str, Enum):
     CACHE_ROWS = "cache_rows"  # [S] a contiguous cache's row per sequence (paging replaces it)
     LOGITS_INDICES = "logits_indices"  # [M] stream rows whose logits are wanted
     TREE_MASK = "tree_mask"  # [N, W] int32 each token's ancestor bits in its step's token tree
-    CACHE = "cache"  # one layer's cache tensor: part "k", "v", "k_scale" or "v_scale"
+    CACHE = "cache"  # one layer's cache tensor: a part of CACHE_PARTS
 
 
-CACHE_PARTS = ("k", "v", "k_scale", "v_scale")  # a layer's cache tensors, in allocation order
+# a layer's cache tensors, in allocation order: K and V (quantized: their data, then their params),
+# and for a hot/cold cache (kernels/hot_cold.py) the hot pages after them
+CACHE_PARTS = ("k", "v", "k_scale", "v_scale", "k_hot", "v_hot")
 
 
 class SignatureError(ValueError):

@@ -13,7 +13,8 @@ interpreter objects, which have nothing to compile. Run it in a process without 
 Specializations
 ---------------
 Constexprs are what change the binary. ``cache_write``: dtype x head_dim.
-``paged_attention``, ``paged_attention_fp8`` and ``paged_attention_int4`` are the one attention
+``paged_attention``, ``paged_attention_fp8``, ``paged_attention_int4`` and the hot/cold
+``paged_attention_mixed_{fp8,int4}`` are the one attention
 kernel (``attention_kernel.py``) with its ``LAYOUT`` constexpr set to ``"float"`` / ``"fp8"`` /
 ``"int4"``: dtype (the cache's; for quantized caches q's) x head_dim x page_size, with the
 GQA group size ``G`` a runtime argument (every ``G <= 16`` runs the ``BLOCK_G = 16`` binary,
@@ -158,10 +159,13 @@ def _cache_write_quant_source(spec: KernelSpec) -> triton.compiler.ASTSource:
 def _paged_attention_source(spec: KernelSpec) -> triton.compiler.ASTSource:
     t = _TRITON_TYPE[spec.dtype]
     layout = spec.kernel_name.removeprefix("paged_attention").removeprefix("_") or "float"
+    mixed = layout.startswith("mixed_")  # hot/cold caches (hot_cold.py): hot pages in q's dtype
+    layout = layout.removeprefix("mixed_")
     cache, params = {"float": (f"*{t}", None), "fp8": ("*u8", "*fp32"), "int4": ("*u8", "*fp16")}[layout]
     signature = {
         "out_ptr": f"*{t}", "q_ptr": f"*{t}", "k_cache_ptr": cache, "v_cache_ptr": cache,
         "k_params_ptr": params, "v_params_ptr": params,
+        "k_hot_ptr": f"*{t}" if mixed else None, "v_hot_ptr": f"*{t}" if mixed else None, "num_hot": "i32",
         "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "positions_ptr": "*i64", "seq_ids_ptr": "*i32",
         "alibi_slopes_ptr": "*fp32" if spec.alibi else None,
         "tree_mask_ptr": "*i32" if spec.tree else None, "query_start_loc_ptr": "*i32", "tree_words": "i32",
@@ -186,6 +190,7 @@ def _paged_attention_source(spec: KernelSpec) -> triton.compiler.ASTSource:
         "HAS_SOFTCAP": spec.softcap,
         "HAS_ALIBI": spec.alibi,
         "HAS_TREE": spec.tree,
+        "MIXED": mixed,
         "INTERPRETER": False,
     })
     return _ast_source(_attention_kernel_mod.paged_attention_kernel, signature, constexprs)
@@ -231,6 +236,8 @@ _KERNELS = {
     "cache_write_int4": (_quant_cache_write_mod._cache_write_int4_kernel, _cache_write_quant_source),
     "paged_attention_fp8": (_attention_kernel_mod.paged_attention_kernel, _paged_attention_source),
     "paged_attention_int4": (_attention_kernel_mod.paged_attention_kernel, _paged_attention_source),
+    "paged_attention_mixed_fp8": (_attention_kernel_mod.paged_attention_kernel, _paged_attention_source),
+    "paged_attention_mixed_int4": (_attention_kernel_mod.paged_attention_kernel, _paged_attention_source),
     **{f"quant_linear_{scheme}": (_quant_linear_triton_mod.quant_linear_kernel, _quant_linear_source)
        for scheme in _quant_linear_mod.WEIGHT_SCHEMES},
 }
@@ -247,6 +254,12 @@ def specializations(kernel_name: str) -> list[KernelSpec]:
             for dt in QUANT_LINEAR_DTYPES for bm in _quant_linear_triton_mod.BLOCK_MS for bias in (False, True)
         ]
     block_gs = sorted({max(_attention_kernel_mod.MIN_BLOCK_G, triton.next_power_of_2(g)) for g in GQA_GROUPS})
+    if kernel_name.startswith("paged_attention_mixed"):
+        # the hot/cold kernels add only the hot-page loads to the quantized ones: the default page
+        # size, the common head sizes, and the tree path
+        return [KernelSpec(kernel_name, dt, d, _DEFAULT_PAGE_SIZE, bg, tree=tree)
+                for dt in (torch.float32, torch.bfloat16) for d in (64, 128) for bg in block_gs
+                for tree in (False, True)]
     specs = [
         KernelSpec(kernel_name, dt, d, _DEFAULT_PAGE_SIZE, bg)
         for dt in DTYPES for d in HEAD_DIMS for bg in block_gs

@@ -25,6 +25,9 @@ Cache layouts
 * ``"int4"``: two nibbles per byte, ``code * scale + min`` per group of ``K_GROUP`` / ``V_GROUP``
   values (fp16 params). Quantized tiles are dequantized to fp32, then cast to q's dtype: the
   dots take operands in q's dtype.
+* ``MIXED`` (hot/cold caches, ``hot_cold.py``): the cold pages in ``"fp8"`` / ``"int4"`` plus hot
+  pages in q's dtype; a key whose block id is below ``num_hot`` is read from the hot pages, the
+  others from cold page ``id - num_hot``, under complementary masks of one tile.
 
 Every dot accumulates in fp32; fp32 operands use exact products (no tf32). ``cast`` / ``dot``
 (``triton_helpers.py``) keep the interpreter's numerics equal to the GPU's.
@@ -88,6 +91,7 @@ def launch_paged_attention(
     kv_heads: int,
     k_group: int = 0,  # int4: values per (scale, min) pair
     v_group: int = 0,
+    hot: tuple[torch.Tensor, torch.Tensor] | None = None,  # hot/cold caches (hot_cold.py): (k_hot, v_hot)
 ) -> torch.Tensor:  # [N, num_heads, head_dim], q.dtype
     """Run :func:`paged_attention_kernel` on validated arguments (the callers check shapes, dtypes
     and the variant); raises ``ValueError`` for the launch requirements: q contiguous in
@@ -104,8 +108,9 @@ def launch_paged_attention(
     check_launchable(paged_attention_kernel, q.device)
     if alibi_slopes is not None:
         alibi_slopes = alibi_slopes.to(torch.float32).contiguous()
+    k_hot, v_hot = hot if hot is not None else (None, None)
     paged_attention_kernel[(num_tokens, kv_heads)](
-        out, q, k_cache, v_cache, k_params, v_params,
+        out, q, k_cache, v_cache, k_params, v_params, k_hot, v_hot, 0 if hot is None else k_hot.shape[0],
         block_tables, seq_lens, positions, token_seq_ids(query_start_loc, num_tokens),
         alibi_slopes, tree_mask, query_start_loc,
         0 if tree_mask is None else tree_mask.shape[1],
@@ -127,6 +132,7 @@ def launch_paged_attention(
         HAS_SOFTCAP=softcap > 0,
         HAS_ALIBI=alibi_slopes is not None,
         HAS_TREE=tree_mask is not None,
+        MIXED=hot is not None,
         INTERPRETER=is_interpreted(paged_attention_kernel),
     )
     return out
@@ -137,6 +143,8 @@ def paged_attention_kernel(
     out_ptr, q_ptr,  # [N, H, D]
     k_cache_ptr, v_cache_ptr,  # (slot, kv head) rows: float [.., D]; fp8 [.., D] uint8; int4 [.., D // 2] uint8
     k_params_ptr, v_params_ptr,  # fp8: [slots, KVH] fp32 scale; int4: [slots, KVH, D // GROUP, 2] fp16; float: None
+    k_hot_ptr, v_hot_ptr,  # MIXED: the hot pages [num_hot * PAGE_SIZE, KVH, D] in q's dtype; else None
+    num_hot,  # MIXED: block ids below it are hot pages, the others cold page id - num_hot
     block_tables_ptr,  # [S, max_blocks]
     seq_lens_ptr,  # [S]
     positions_ptr,  # [N]
@@ -163,6 +171,7 @@ def paged_attention_kernel(
     HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr,
     HAS_TREE: tl.constexpr,  # new keys seen by the tree mask's bits, at their own positions
+    MIXED: tl.constexpr,  # hot/cold cache (hot_cold.py): each key from the pool its block id names
     INTERPRETER: tl.constexpr,  # work around interpreter numerics (triton_helpers.py)
 ):
     tok = tl.program_id(0)
@@ -204,12 +213,27 @@ def paged_attention_kernel(
         offs_n = start + tl.arange(0, BLOCK_N)
         visible = offs_n < key_end
         block = tl.load(bt_row + offs_n // PAGE_SIZE, mask=visible, other=0).to(tl.int64)
-        rows = (block * PAGE_SIZE + offs_n % PAGE_SIZE) * kv_heads + kv_head  # [BLOCK_N]
         tile_mask = visible[:, None] & mask_d[None, :]
-        k = _load_tile(k_cache_ptr, k_params_ptr, rows, offs_d, tile_mask, visible, HEAD_DIM, K_GROUP, LAYOUT,
-                       dot_ty, INTERPRETER)
-        v = _load_tile(v_cache_ptr, v_params_ptr, rows, offs_d, tile_mask, visible, HEAD_DIM, V_GROUP, LAYOUT,
-                       dot_ty, INTERPRETER)
+        if MIXED:  # hot rows and cold rows under complementary masks, then one tile
+            is_hot = block < num_hot
+            hot_rows = (block * PAGE_SIZE + offs_n % PAGE_SIZE) * kv_heads + kv_head
+            cold_block = tl.where(is_hot, 0, block - num_hot)
+            rows = (cold_block * PAGE_SIZE + offs_n % PAGE_SIZE) * kv_heads + kv_head
+            hot_mask = tile_mask & is_hot[:, None]
+            cold_mask = tile_mask & (block >= num_hot)[:, None]
+            cold_visible = visible & (block >= num_hot)
+            k = _load_tile(k_cache_ptr, k_params_ptr, rows, offs_d, cold_mask, cold_visible, HEAD_DIM, K_GROUP,
+                           LAYOUT, dot_ty, INTERPRETER)
+            v = _load_tile(v_cache_ptr, v_params_ptr, rows, offs_d, cold_mask, cold_visible, HEAD_DIM, V_GROUP,
+                           LAYOUT, dot_ty, INTERPRETER)
+            k = tl.where(hot_mask, _load_float_tile(k_hot_ptr, hot_rows, offs_d, hot_mask, HEAD_DIM), k)
+            v = tl.where(hot_mask, _load_float_tile(v_hot_ptr, hot_rows, offs_d, hot_mask, HEAD_DIM), v)
+        else:
+            rows = (block * PAGE_SIZE + offs_n % PAGE_SIZE) * kv_heads + kv_head  # [BLOCK_N]
+            k = _load_tile(k_cache_ptr, k_params_ptr, rows, offs_d, tile_mask, visible, HEAD_DIM, K_GROUP, LAYOUT,
+                           dot_ty, INTERPRETER)
+            v = _load_tile(v_cache_ptr, v_params_ptr, rows, offs_d, tile_mask, visible, HEAD_DIM, V_GROUP, LAYOUT,
+                           dot_ty, INTERPRETER)
 
         key_pos = offs_n
         if HAS_TREE:

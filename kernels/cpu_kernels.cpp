@@ -154,21 +154,57 @@ struct QuantRows {
   void gather(const int32_t* table, int64_t P, int64_t kvh, int64_t D, int64_t kb, int64_t k1,
               std::vector<int64_t>& off, std::vector<float>& kbuf, std::vector<float>& vbuf, const float** kbase,
               const float** vbase) const {
-    const int64_t nk = k1 - kb, row_bytes = int4 ? D / 2 : D;
+    const int64_t nk = k1 - kb;
     off.resize(nk);
     kbuf.resize(nk * D);
     vbuf.resize(nk * D);
     for (int64_t j = kb; j < k1; ++j) {
-      const int64_t i = j - kb, slot_head = (static_cast<int64_t>(table[j / P]) * P + j % P) * KVH + kvh;
+      const int64_t i = j - kb;
       off[i] = i * D;
-      if (int4) {
-        dequant_int4_row(k + slot_head * row_bytes, static_cast<const at::Half*>(k_params) + slot_head * (D / k_group) * 2,
-                         k_group, kbuf.data() + i * D, D);
-        dequant_int4_row(v + slot_head * row_bytes, static_cast<const at::Half*>(v_params) + slot_head * (D / v_group) * 2,
-                         v_group, vbuf.data() + i * D, D);
+      dequant((static_cast<int64_t>(table[j / P]) * P + j % P) * KVH + kvh, D, kbuf.data() + i * D, vbuf.data() + i * D);
+    }
+    *kbase = kbuf.data();
+    *vbase = vbuf.data();
+  }
+  // the K and V rows of (slot, kv head) row slot_head, dequantized to kout / vout
+  void dequant(int64_t slot_head, int64_t D, float* kout, float* vout) const {
+    const int64_t row_bytes = int4 ? D / 2 : D;
+    if (int4) {
+      dequant_int4_row(k + slot_head * row_bytes, static_cast<const at::Half*>(k_params) + slot_head * (D / k_group) * 2,
+                       k_group, kout, D);
+      dequant_int4_row(v + slot_head * row_bytes, static_cast<const at::Half*>(v_params) + slot_head * (D / v_group) * 2,
+                       v_group, vout, D);
+    } else {
+      dequant_fp8_row(k + slot_head * row_bytes, static_cast<const float*>(k_params)[slot_head], kout, D);
+      dequant_fp8_row(v + slot_head * row_bytes, static_cast<const float*>(v_params)[slot_head], vout, D);
+    }
+  }
+};
+
+// Hot/cold caches (hot_cold.py): block ids below num_hot are float32 pages [num_hot, P, KVH, D], the
+// others cold page id - num_hot of a QuantRows layout. The item's rows land in the thread's buffers:
+// hot rows copied, cold rows dequantized.
+struct MixedRows {
+  const float* k_hot;
+  const float* v_hot;
+  int64_t num_hot;
+  QuantRows cold;
+  void gather(const int32_t* table, int64_t P, int64_t kvh, int64_t D, int64_t kb, int64_t k1,
+              std::vector<int64_t>& off, std::vector<float>& kbuf, std::vector<float>& vbuf, const float** kbase,
+              const float** vbase) const {
+    const int64_t nk = k1 - kb, KVH = cold.KVH;
+    off.resize(nk);
+    kbuf.resize(nk * D);
+    vbuf.resize(nk * D);
+    for (int64_t j = kb; j < k1; ++j) {
+      const int64_t i = j - kb, block = table[j / P];
+      off[i] = i * D;
+      if (block < num_hot) {
+        const int64_t row = ((block * P + j % P) * KVH + kvh) * D;
+        std::memcpy(kbuf.data() + i * D, k_hot + row, D * sizeof(float));
+        std::memcpy(vbuf.data() + i * D, v_hot + row, D * sizeof(float));
       } else {
-        dequant_fp8_row(k + slot_head * row_bytes, static_cast<const float*>(k_params)[slot_head], kbuf.data() + i * D, D);
-        dequant_fp8_row(v + slot_head * row_bytes, static_cast<const float*>(v_params)[slot_head], vbuf.data() + i * D, D);
+        cold.dequant(((block - num_hot) * P + j % P) * KVH + kvh, D, kbuf.data() + i * D, vbuf.data() + i * D);
       }
     }
     *kbase = kbuf.data();
@@ -365,6 +401,31 @@ torch::Tensor paged_attention_quant_short(torch::Tensor q, torch::Tensor k_cache
   }
   return attend_rows(q, rows, k_cache.size(1), KVH, k_cache.size(0), block_tables, seq_lens, query_start_loc,
                      positions, scale, window, softcap, alibi_slopes, tree_mask);
+}
+
+// The same over a hot/cold layer cache (k_hot, v_hot float32; k_cold, v_cold, k_scale, v_scale of scheme
+// "fp8" or "int4"; hot_cold.py); the caller has validated the layout (hot_cold.mixed_layout).
+torch::Tensor paged_attention_mixed_short(torch::Tensor q, torch::Tensor k_hot, torch::Tensor v_hot,
+                                          torch::Tensor k_cold, torch::Tensor v_cold, torch::Tensor k_scale,
+                                          torch::Tensor v_scale, torch::Tensor block_tables, torch::Tensor seq_lens,
+                                          torch::Tensor query_start_loc, torch::Tensor positions, double scale,
+                                          int64_t window, double softcap, c10::optional<torch::Tensor> alibi_slopes,
+                                          c10::optional<torch::Tensor> tree_mask, std::string scheme) {
+  const bool int4 = scheme == "int4";
+  TORCH_CHECK(int4 || scheme == "fp8", "paged_attention_mixed_short: scheme must be fp8 or int4; got ", scheme);
+  TORCH_CHECK(k_hot.scalar_type() == torch::kFloat && v_hot.scalar_type() == torch::kFloat && k_hot.is_contiguous() &&
+              v_hot.is_contiguous(), "paged_attention_mixed_short: hot pages must be contiguous float32");
+  const int64_t D = q.size(2), KVH = k_cold.size(2);
+  MixedRows rows{k_hot.data_ptr<float>(), v_hot.data_ptr<float>(), k_hot.size(0),
+                 QuantRows{int4, static_cast<const uint8_t*>(k_cold.data_ptr()),
+                           static_cast<const uint8_t*>(v_cold.data_ptr()), k_scale.data_ptr(), v_scale.data_ptr(), KVH,
+                           0, 0}};
+  if (int4) {
+    rows.cold.k_group = D / k_scale.size(3);
+    rows.cold.v_group = D / v_scale.size(3);
+  }
+  return attend_rows(q, rows, k_cold.size(1), KVH, k_hot.size(0) + k_cold.size(0), block_tables, seq_lens,
+                     query_start_loc, positions, scale, window, softcap, alibi_slopes, tree_mask);
 }
 
 // Where the attention kernel beats the torch path (measured on SmolLM2's heads, 2 threads). Its cost

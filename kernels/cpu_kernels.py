@@ -54,6 +54,7 @@ import torch
 
 from .cache_write import check_cache_write_args, check_token_args
 from .paged_attention import check_attention_args, check_stream_args, check_variant
+from .hot_cold import mixed_layout
 from .quant import fp8_layout, int4_layout
 from .quant_linear import check_quant_linear_args
 from .registry import register
@@ -84,6 +85,7 @@ def load():
                 _module = load_inline(
                     name=_EXTENSION, cpp_sources=[CPP_SOURCE],
                     functions=["paged_attention_short", "paged_attention_quant_short", "quant_attention_applies",
+                               "paged_attention_mixed_short",
                                "quant_cache_write_cpu", "quant_cache_write_applies", "cache_write_rows", "attention_pays", "quant_linear_cpu",
                                "quant_linear_applies", "set_bf16_dot_max_rows",
                                "bf16_dot_available"],
@@ -253,6 +255,35 @@ for _scheme in ("fp8", "int4"):
     register(f"paged_attention_{_scheme}", "cpp", _run, ("cpu",), applies=_takes, priority=10)
     _run, _takes = _quant_cache_write(_scheme)
     register(f"cache_write_{_scheme}", "cpp", _run, ("cpu",), applies=_takes, priority=10)
+
+
+def paged_attention_mixed_cpp(q, k_hot, v_hot, k_cold, v_cold, k_scale, v_scale, block_tables, seq_lens,
+                              query_start_loc, positions, scale, window=0, softcap=0.0, alibi_slopes=None,
+                              tree_mask=None) -> torch.Tensor:
+    """The C++ kernel over a hot/cold cache (``hot_cold.py``'s contract; float32 q and hot pages): each
+    item's hot rows copied and cold rows dequantized into the thread's buffers, then the float loops."""
+    module = load()
+    if module is None:
+        raise RuntimeError(f"the C++ CPU attention kernel is not available: {_error}")
+    return module.paged_attention_mixed_short(
+        q.contiguous(), k_hot, v_hot, k_cold, v_cold, k_scale, v_scale, block_tables.to(torch.int32).contiguous(),
+        seq_lens.to(torch.int32).contiguous(), query_start_loc.to(torch.int32).contiguous(),
+        positions.to(torch.int64).contiguous(), float(scale), int(window), float(softcap),
+        *_kernel_options(alibi_slopes, tree_mask), mixed_layout(k_hot, v_hot, k_cold, v_cold, k_scale, v_scale).scheme)
+
+
+def _cpp_mixed_takes(q, k_hot, v_hot, k_cold, v_cold, k_scale, v_scale, block_tables, seq_lens, query_start_loc,
+                     positions, scale, window=0, softcap=0.0, alibi_slopes=None, tree_mask=None) -> bool:
+    if q.dtype != torch.float32 or k_hot.dtype != torch.float32 or q.device.type != "cpu" or load() is None:
+        return False
+    layout = mixed_layout(k_hot, v_hot, k_cold, v_cold, k_scale, v_scale)
+    check_stream_args(q, layout.kv_heads, layout.head_dim, block_tables, seq_lens, query_start_loc, positions)
+    check_variant(q, window, softcap, alibi_slopes)
+    check_tree_mask(q, tree_mask)
+    return bool(load().attention_pays(seq_lens, query_start_loc))
+
+
+register("paged_attention_mixed", "cpp", paged_attention_mixed_cpp, ("cpu",), applies=_cpp_mixed_takes, priority=10)
 
 
 def cache_write_cpp(k, v, k_cache, v_cache, slot_mapping) -> None:

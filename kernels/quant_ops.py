@@ -8,6 +8,9 @@ are the float ops' (``ops.py``) with ``k_scale, v_scale`` after ``v_cache``:
   seq_lens, query_start_loc, positions, scale, window=0, softcap=0.0, alibi_slopes=None) -> Tensor``
 * ``torch.ops.specgraph.cache_write_int4(...)`` / ``torch.ops.specgraph.paged_attention_int4(...)``:
   same arguments, int4 layout.
+* ``torch.ops.specgraph.paged_attention_mixed(q, k_hot, v_hot, k_cold, v_cold, k_scale, v_scale,
+  block_tables, ...)``: attention over a hot/cold cache (``hot_cold.py``): float hot pages and
+  fp8 / int4 cold pages in one block-id space; writes go to the hot pages with ``cache_write``.
 * ``torch.ops.specgraph.quant_linear(x, weight, scales, bias, scheme) -> Tensor``: a linear over
   quantized weights (int8, int4, fp8, bfloat16; formats in ``quant_linear.py``).
 
@@ -20,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from . import quant_cache_write as _w  # noqa: F401  (each kernel module registers its implementations)
+from . import hot_cold as _h  # noqa: F401
 from . import quant_linear as _l  # noqa: F401
 from . import quant_linear_triton as _lt  # noqa: F401
 from . import quant_paged_attention as _a  # noqa: F401
@@ -119,6 +123,37 @@ def _paged_attention_fp8_fake(q, k_cache, v_cache, k_scale, v_scale, block_table
 @paged_attention_int4.register_fake
 def _paged_attention_int4_fake(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, query_start_loc,
                                positions, scale, window=0, softcap=0.0, alibi_slopes=None, tree_mask=None):
+    return q.new_empty(q.shape)
+
+
+@torch.library.custom_op("specgraph::paged_attention_mixed", mutates_args=())
+def paged_attention_mixed(
+    q: torch.Tensor,  # [N, num_heads, head_dim]
+    k_hot: torch.Tensor,  # [num_hot, page_size, kv_heads, head_dim] float: block ids < num_hot
+    v_hot: torch.Tensor,
+    k_cold: torch.Tensor,  # [num_cold, page_size, kv_heads, ...] fp8 / int4 (quant.py): ids >= num_hot
+    v_cold: torch.Tensor,
+    k_scale: torch.Tensor,  # the cold pages' params
+    v_scale: torch.Tensor,
+    block_tables: torch.Tensor,  # [S, max_blocks] int32
+    seq_lens: torch.Tensor,  # [S] int32
+    query_start_loc: torch.Tensor,  # [S + 1] int32
+    positions: torch.Tensor,  # [N] int64
+    scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,  # [num_heads] float
+    tree_mask: torch.Tensor | None = None,  # [N, W] int32 ancestor bits (tree_mask.py)
+) -> torch.Tensor:  # [N, num_heads, head_dim], q.dtype, contiguous
+    """Causal paged attention over a hot/cold cache: hot pages as stored, cold ones dequantized (``hot_cold.py``)."""
+    return dispatch("paged_attention_mixed", q, k_hot, v_hot, k_cold, v_cold, k_scale, v_scale, block_tables,
+                    seq_lens, query_start_loc, positions, scale, window, softcap, alibi_slopes, tree_mask)
+
+
+@paged_attention_mixed.register_fake
+def _paged_attention_mixed_fake(q, k_hot, v_hot, k_cold, v_cold, k_scale, v_scale, block_tables, seq_lens,
+                                query_start_loc, positions, scale, window=0, softcap=0.0, alibi_slopes=None,
+                                tree_mask=None):
     return q.new_empty(q.shape)
 
 

@@ -35,7 +35,7 @@ def cache_dtype(ctx: PassContext, model_dtype: torch.dtype) -> torch.dtype:
     kv = ctx.options.kv_dtype
     if kv == "auto":
         return model_dtype
-    if kv in ("fp8", "int4"):
+    if ctx.options.kv_cold_scheme is not None:
         return model_dtype  # a float cache here; the kv_quant pass swaps in the quantized layout
     return getattr(torch, kv)
 

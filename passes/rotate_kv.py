@@ -48,7 +48,7 @@ def orthonormal_rotation(dim: int) -> torch.Tensor:
 
 
 def rotate_kv(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
-    if ctx.options.kv_dtype not in ("fp8", "int4"):
+    if ctx.options.kv_cold_scheme is None:
         return PassResult(modified=False)
     g = gm.graph
     rotations: dict[int, tuple[fx.Node, fx.Node]] = {}

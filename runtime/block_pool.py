@@ -18,6 +18,12 @@ cached block
     prefix hit can revive it; the key is dropped when the block is *evicted* (handed
     out again by :meth:`allocate`) or explicitly by :meth:`uncache_block`.
 
+hot and cold blocks
+    With ``num_cold > 0`` the ids ``num_hot .. num_blocks - 1`` are *cold*: pages of a hot/cold
+    cache's quantized pool (``kernels/hot_cold.py``), handed out by ``allocate(n, cold=True)``
+    from their own free queue; ids ``1 .. num_hot - 1`` are the hot (compute-dtype) pages that
+    every write goes to. Counts, keys and eviction work the same in both.
+
 Invariants (checked by :meth:`check_invariants`)
 -----------------------------------------------
 * ``ref_count(b) == 0`` exactly when ``b`` is in the free queue (``b != 0``).
@@ -41,9 +47,11 @@ class BlockPool:
     Parameters
     ----------
     num_blocks : int
-        Blocks in the cache tensors, including the null block ``0``.
+        Blocks in the cache tensors, including the null block ``0`` (the hot pages of a hot/cold cache).
     page_size : int
         Token slots per block (kept here so every user agrees on it).
+    num_cold : int
+        Cold pages after them (ids ``num_blocks ..``); 0 for a cache of one kind.
 
     Example
     -------
@@ -56,12 +64,16 @@ class BlockPool:
     3
     """
 
-    def __init__(self, num_blocks: int, page_size: int) -> None:
+    def __init__(self, num_blocks: int, page_size: int, num_cold: int = 0) -> None:
+        if num_cold < 0:
+            raise ValueError(f"num_cold must be >= 0; got {num_cold}")
         if num_blocks < 2:
             raise ValueError(f"num_blocks must be >= 2 (block 0 is the reserved null block); got {num_blocks}")
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1; got {page_size}")
-        self.num_blocks = num_blocks
+        self.num_hot = num_blocks  # ids below it are hot pages
+        self.num_blocks = num_blocks + num_cold  # every id, null block included
+        num_blocks = self.num_blocks
         self.page_size = page_size
         # _ref_cnt[b]: sequences holding block b. The null block stays at 0 and is never
         # in the free queue; every public method rejects it explicitly.
@@ -71,7 +83,8 @@ class BlockPool:
         # goes to the back, so cached blocks are evicted least-recently-freed first.
         # An OrderedDict (values unused) gives O(1) removal from the middle when a
         # prefix hit revives a free cached block.
-        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks))
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, self.num_hot))
+        self._free_cold: OrderedDict[int, None] = OrderedDict.fromkeys(range(self.num_hot, num_blocks))
         # Content index for the prefix cache: key -> block, and its inverse per block.
         self._cached: dict[Hashable, int] = {}
         self._block_key: list[Hashable | None] = [None] * num_blocks
@@ -80,8 +93,16 @@ class BlockPool:
     # ------------------------------------------------------------------ queries
     @property
     def num_free_blocks(self) -> int:
-        """Blocks ``allocate`` can hand out now (free cached blocks included)."""
+        """Blocks ``allocate`` can hand out now (free cached blocks included); hot ones of a hot/cold pool."""
         return len(self._free)
+
+    @property
+    def num_free_cold_blocks(self) -> int:
+        """Cold blocks ``allocate(n, cold=True)`` can hand out now."""
+        return len(self._free_cold)
+
+    def is_cold(self, block_id: int) -> bool:
+        return block_id >= self.num_hot
 
     @property
     def num_cached_blocks(self) -> int:
@@ -91,7 +112,7 @@ class BlockPool:
     @property
     def usage(self) -> float:
         """Fraction of the non-null blocks that are referenced by some sequence."""
-        return 1.0 - len(self._free) / (self.num_blocks - 1)
+        return 1.0 - (len(self._free) + len(self._free_cold)) / (self.num_blocks - 1)
 
     def ref_count(self, block_id: int) -> int:
         self._check_id(block_id)
@@ -107,19 +128,20 @@ class BlockPool:
         return self._cached.get(key)
 
     # ---------------------------------------------------------------- mutation
-    def allocate(self, n: int) -> list[int] | None:
-        """Take ``n`` blocks from the front of the free queue, each with count 1.
+    def allocate(self, n: int, cold: bool = False) -> list[int] | None:
+        """Take ``n`` blocks from the front of the free queue (the cold one with ``cold``), each with count 1.
 
         Returns ``None`` (and changes nothing) if fewer than ``n`` blocks are free.
         A cached block taken here is evicted: its key leaves the index.
         """
         if n < 0:
             raise ValueError(f"cannot allocate a negative number of blocks ({n})")
-        if n > len(self._free):
+        queue = self._free_cold if cold else self._free
+        if n > len(queue):
             return None
         blocks = []
         for _ in range(n):
-            block_id, _ = self._free.popitem(last=False)
+            block_id, _ = queue.popitem(last=False)
             key = self._block_key[block_id]
             if key is not None:
                 del self._cached[key]
@@ -142,7 +164,7 @@ class BlockPool:
                 raise RuntimeError(f"incref of free, uncached block {block_id}: its content is undefined")
         for block_id in block_ids:
             if self._ref_cnt[block_id] == 0:
-                del self._free[block_id]
+                del self._queue(block_id)[block_id]
             self._ref_cnt[block_id] += 1
 
     def free(self, block_ids: Iterable[int]) -> None:
@@ -164,9 +186,10 @@ class BlockPool:
         for block_id in block_ids:
             self._ref_cnt[block_id] -= 1
             if self._ref_cnt[block_id] == 0:
-                self._free[block_id] = None  # back of the queue: evicted last
+                queue = self._queue(block_id)
+                queue[block_id] = None  # back of the queue: evicted last
                 if self._block_key[block_id] is None:
-                    self._free.move_to_end(block_id, last=False)  # nothing to lose: reuse first
+                    queue.move_to_end(block_id, last=False)  # nothing to lose: reuse first
 
     def cache_block(self, block_id: int, key: Hashable) -> bool:
         """Record that held block ``block_id`` has the full content described by ``key``.
@@ -198,20 +221,32 @@ class BlockPool:
         del self._cached[key]
         self._block_key[block_id] = None
         if self._ref_cnt[block_id] == 0:
-            self._free.move_to_end(block_id, last=False)
+            self._queue(block_id).move_to_end(block_id, last=False)
+
+    def move_key(self, src: int, dst: int) -> None:
+        """Give held block ``dst`` the content key of ``src`` (``src``'s content now lives in ``dst``)."""
+        key = self.block_key(src)
+        if key is None:
+            return
+        self.uncache_block(src)
+        self.cache_block(dst, key)
 
     def check_invariants(self) -> None:
         """Raise ``AssertionError`` if the internal structures disagree (tests/debug)."""
         assert NULL_BLOCK not in self._free and self._ref_cnt[NULL_BLOCK] == 0
         assert self._block_key[NULL_BLOCK] is None
-        free = set(self._free)
-        assert len(free) == len(self._free)
+        free = set(self._free) | set(self._free_cold)
+        assert len(free) == len(self._free) + len(self._free_cold)
+        assert all(b < self.num_hot for b in self._free) and all(b >= self.num_hot for b in self._free_cold)
         for block_id in range(1, self.num_blocks):
             assert self._ref_cnt[block_id] >= 0, block_id
             assert (self._ref_cnt[block_id] == 0) == (block_id in free), block_id
             key = self._block_key[block_id]
             assert key is None or self._cached.get(key) == block_id, block_id
         assert all(self._block_key[b] == k for k, b in self._cached.items())
+
+    def _queue(self, block_id: int) -> OrderedDict[int, None]:
+        return self._free_cold if block_id >= self.num_hot else self._free
 
     def _check_id(self, block_id: int) -> None:
         if block_id == NULL_BLOCK:

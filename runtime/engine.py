@@ -16,6 +16,7 @@ from ..compiler.options import MAX_TREE_NODES, BackendOptions
 from ..compiler.program import AttentionMetadata, DecoderProgram, compile_decoder
 from .controller import SpeculationController
 from .drafting import Speculation, is_decode, measure_target_cost, verify_draft
+from ..kernels.hot_cold import demote_blocks, hot_tensors
 from .kv_manager import KVCacheManager
 from .proposers.base import Draft
 from .sampling import SamplingParams, sample, token_logprobs
@@ -76,7 +77,10 @@ class Engine:
         rounded to nearest), a text, token ids, or None (round to nearest).
     prefix_caching: reuse cached full blocks of earlier prompts.
     kv_cache_memory: bytes of KV cache (all layers, K and V) when ``num_blocks`` is not given.
-    num_blocks: size of the block pool (block 0 is reserved).
+    num_blocks: size of the block pool (block 0 is reserved); of a hot/cold cache, its hot pages.
+    kv_hot_window: tokens per sequence kept in the model's dtype under kv_dtype fp8 / int4 / adaptive
+        (see :class:`~specgraph.BackendOptions`; 0: every page quantized as written).
+    num_cold_blocks: a hot/cold cache's quantized pages (default: the memory the hot pages leave).
     max_num_seqs, max_tokens_per_step: continuous-batching limits (prefills are chunked to fit).
     draft: speculative decoding proposer: ``"ngram"``/``"ngram:N"`` (prompt lookup),
         ``"eagle"``/``"medusa"`` (the learned heads shipped for the model, or ``"eagle:PATH"``; see
@@ -109,6 +113,7 @@ class Engine:
     """
 
     def __init__(self, model: torch.nn.Module, tokenizer=None, *, kv_dtype: str = "auto", weight_dtype: str = "auto",
+                 kv_hot_window: int | None = None, num_cold_blocks: int | None = None,
                  weight_calibration: str | Sequence[int] | None = "builtin",
                  page_size: int = 16, prefix_caching: bool = True, kv_cache_memory: int = 256 << 20, num_blocks: int | None = None,
                  max_num_seqs: int = 8, max_tokens_per_step: int = 512, passes: Sequence = (),
@@ -131,22 +136,28 @@ class Engine:
             tree = parse_tree(draft_tree, MAX_TREE_NODES - 1)
         self._features = kind is not None and kind.features  # the proposer reads the target's hidden states
         self.default_tree = None if tree is None else str(tree)  # the shape given (or the kind's), at build
-        options = BackendOptions(kv_dtype=kv_dtype, weight_dtype=weight_dtype, weight_calibration=calibration,
+        options = BackendOptions(kv_dtype=kv_dtype, kv_hot_window=kv_hot_window, weight_dtype=weight_dtype,
+                                 weight_calibration=calibration,
                                  page_size=page_size, tree_nodes=0 if tree is None else 1 + tree.scratch_nodes,
                                  hidden_states=self._features,
                                  passes=tuple(passes), dump_dir=dump_dir, self_check=self_check, lowering=lowering)
         t0 = time.perf_counter()
         self.program: DecoderProgram = compile_decoder(model, options, progress=progress)
-        per_block = self.program.kv_bytes_per_token() * page_size
-        self.num_blocks = num_blocks if num_blocks is not None else max(2, kv_cache_memory // per_block)
+        if num_cold_blocks is not None and not self.program.hot_cold:
+            raise ValueError(f"num_cold_blocks is for a hot/cold cache (kv_dtype fp8 / int4 / adaptive with a hot "
+                             f"window); kv_dtype={kv_dtype!r} has one kind of page")
+        self.num_blocks, self.num_cold_blocks = self._pool_sizes(
+            num_blocks, num_cold_blocks, kv_cache_memory, max_num_seqs, max_tokens_per_step, num_draft_tokens, tree)
         if self.num_blocks < 2:
             raise ValueError(f"num_blocks must be >= 2 (block 0 is reserved); got {self.num_blocks}")
         device = self.device = next(model.parameters()).device
-        self.kv_cache = self.program.new_kv_cache(self.num_blocks, device=device)
-        self.table_width = self.num_blocks - 1  # one sequence may hold every usable block
+        self.kv_cache = self.program.new_kv_cache(self.num_blocks, device=device, num_cold=self.num_cold_blocks)
+        self.table_width = self.num_blocks + self.num_cold_blocks - 1  # one sequence may hold every usable block
         self.program.compile_steps(self.kv_cache, self.table_width, progress=progress,
                                    background=compile_in_background)
-        self.kv = KVCacheManager(self.num_blocks, page_size, enable_prefix_caching=prefix_caching)
+        self.kv = KVCacheManager(self.num_blocks, page_size, enable_prefix_caching=prefix_caching,
+                                 num_cold=self.num_cold_blocks, hot_window=options.hot_window_tokens,
+                                 demote="pressure" if kv_dtype == "adaptive" else "window")
         self.scheduler = Scheduler(self.kv, max_num_seqs=max_num_seqs, max_tokens_per_step=max_tokens_per_step,
                                    on_preempt=self._release_draft_state)
         self.eos_ids = _eos_ids(model, tokenizer)
@@ -163,7 +174,7 @@ class Engine:
             if draft_weight_dtype is not None:
                 draft_calibration = _calibration_ids(weight_calibration, draft_weight_dtype, tokenizer)
             proposer = make_proposer(draft, DraftContext(
-                model, self.program, self.kv, self.kv_cache, page_size, self.num_blocks, self.table_width, device,
+                model, self.program, self.kv, self.kv_cache, page_size, self.table_width + 1, self.table_width, device,
                 draft_weight_dtype, draft_calibration))
             if getattr(proposer, "wants_features", False) and not self._features:
                 raise ValueError(f"the proposer {getattr(proposer, 'name', proposer)!r} drafts from the target's hidden "
@@ -279,9 +290,9 @@ class Engine:
             raise ValueError(f"chunk_size must be >= 1; got {chunk_size}")
         sid = self._new_id()
         need = -(-len(ids) // self.page_size)
-        if need > self.num_blocks - 1:
+        if need > self.table_width:
             raise ValueError(f"KV pool exhausted: scoring {len(ids)} tokens needs {need} blocks, the pool has "
-                             f"{self.num_blocks - 1}")
+                             f"{self.table_width}")
         self.kv.add_sequence(sid, [])  # scoring needs every position's logits: no prefix reuse
         out, top1 = [], []
         try:
@@ -293,6 +304,7 @@ class Engine:
                 self._copy_blocks(copies)
                 meta = AttentionMetadata.build([(self.kv.block_table(sid), start, n)], self.page_size, [list(range(n))])
                 logits = self.program(torch.tensor(ids[start:start + n]), meta, self.kv_cache).cpu()
+                self.kv.mark_written(sid, start + n)  # pages leaving the hot window go cold
                 logp = torch.log_softmax(logits.float(), dim=-1)
                 out.append(logp.gather(1, torch.tensor(ids[start + 1:start + 1 + n]).view(-1, 1)).view(-1))
                 top1.append(logp.argmax(dim=-1))
@@ -325,7 +337,11 @@ class Engine:
         s["prefix_cache_hit_rate"] = self.kv.prefix_cache_hit_rate
         s["kv_pool_usage"] = self.kv.usage
         s["kv_bytes_per_token"] = self.program.kv_bytes_per_token()
-        s["kv_pool_tokens"] = (self.num_blocks - 1) * self.page_size
+        s["kv_pool_tokens"] = self.table_width * self.page_size
+        if self.program.hot_cold:
+            s["kv_hot_bytes_per_token"] = self.program.kv_hot_bytes_per_token()
+            s["kv_hot_blocks"], s["kv_cold_blocks"] = self.num_blocks - 1, self.num_cold_blocks
+            s["kv_cold_fraction"] = 1.0 - self.kv.block_pool.num_free_cold_blocks / max(self.num_cold_blocks, 1)
         busy = s["forward_s"] + s["host_s"]
         s["host_overhead_fraction"] = s["host_s"] / busy if busy else 0.0
         for name, value in self._counters().items():
@@ -356,6 +372,7 @@ class Engine:
     def _counters(self) -> dict[str, int]:
         drafter = getattr(self.proposer, "program", None)
         return dict(preemptions=self.scheduler.preemptions, evictions=self.kv.block_pool.num_evictions,
+                    kv_demotions=self.kv.num_demotions,
                     forks=self.scheduler.forks, cow_copies=self.kv.num_cow_copies,
                     recompiles=self.program.recompiles + (drafter.recompiles if drafter is not None else 0))
 
@@ -469,11 +486,49 @@ class Engine:
         if self.speculation is not None:
             self.speculation.forget(request)
 
+    def _pool_sizes(self, num_blocks, num_cold, memory, max_num_seqs, max_tokens_per_step, num_draft_tokens, tree):
+        """``(hot blocks, cold blocks)``; a cache of one kind has no cold blocks.
+
+        Hot/cold: under fp8 / int4 the hot pages hold every running sequence's window, the page it
+        writes and its drafts, plus one prefill chunk (at most half of the memory); under adaptive half
+        of the memory. The cold pages take what is left."""
+        page = self.program.page_size
+        per_cold = self.program.kv_bytes_per_token() * page
+        if not self.program.hot_cold:
+            return (num_blocks if num_blocks is not None else max(2, memory // per_cold)), 0
+        per_hot = self.program.kv_hot_bytes_per_token() * page
+        options = self.program.compiled.context.options
+        if num_blocks is None:
+            if options.kv_dtype == "adaptive":
+                num_blocks = max(2, memory // 2 // per_hot)
+            else:
+                drafts = (1 + tree.scratch_nodes) if tree is not None else num_draft_tokens + 1
+                per_seq = options.hot_window_tokens // page + 1 + -(-drafts // page)
+                num_blocks = 1 + max_num_seqs * per_seq + -(-max_tokens_per_step // page)
+                num_blocks = max(2, min(num_blocks, memory // 2 // per_hot))
+        if num_cold is None:
+            num_cold = max(0, (memory - num_blocks * per_hot) // per_cold)
+        return num_blocks, num_cold
+
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Apply queued demotions, then the copy-on-write ``(src, dst)`` block copies (hot pages only)."""
+        self._apply_demotions()
         for src, dst in copies:
             for caches in self._all_caches:
-                for t in caches:  # K, V (and their scales): every tensor indexed by block
+                for t in hot_tensors(caches):  # K, V (and their scales): every tensor a hot id indexes
                     t[dst].copy_(t[src])
+
+    def _apply_demotions(self) -> None:
+        """Quantize the pages the KV manager moved to cold blocks (a drafter's own float cache copies them)."""
+        demotions = self.kv.take_demotions()
+        if not demotions:
+            return
+        src, dst = [s for s, _ in demotions], [d for _, d in demotions]
+        for layer in self.kv_cache:
+            demote_blocks(*layer[4:], *layer[:4], src, dst)
+        for caches in self._all_caches[len(self.kv_cache):]:
+            for t in hot_tensors(caches):
+                t[dst] = t[src]
 
     @torch.no_grad()
     def _step(self) -> list[Request]:
@@ -497,6 +552,7 @@ class Engine:
             seqs.append((self.kv.block_table(c.request.request_id), c.start, n))
             want.append(list(range(n)) if extra else [n - 1] if c.wants_logits else [])
         meta = AttentionMetadata.build(seqs, self.page_size, want, trees, self.program.tree_words if trees else 0)
+        self._apply_demotions()  # (drafting may have allocated, and so demoted)
         t_forward = time.perf_counter()
         stream = torch.tensor(ids, dtype=torch.long)
         if self._features:  # the proposer drafts from the target's last hidden states

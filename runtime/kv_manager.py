@@ -33,6 +33,17 @@ Engine step, per sequence::
     ... forward writes K/V of the n tokens to `slots` ...
     kv.commit(sid, tokens_so_far)                    # register newly full blocks
     kv.truncate(sid, num_accepted_total)             # speculative decoding rejects drafts
+
+Hot/cold pools (``num_cold > 0``; ``kernels/hot_cold.py``)
+    Every block ``allocate`` hands out is hot (the compute dtype). A committed full block more
+    than ``hot_window`` tokens behind a sequence's committed end may be *demoted*: its content
+    moves to a cold block (quantized by the caller), every table holding it and its prefix-cache
+    key follow, and the hot block is freed. ``demote="window"`` (fp8 / int4) demotes each block as
+    soon as it leaves the window; ``demote="pressure"`` (adaptive) only when ``allocate`` or
+    ``admit`` would otherwise fail, the longest sequences' oldest blocks first. Demotions are
+    queued; the caller applies :meth:`take_demotions` (quantize ``src`` into ``dst``) before any
+    copy and before the next forward writes into a freed block. Only committed blocks below the
+    window are ever cold, so no write (which only reaches past the committed end) lands on one.
 """
 
 from __future__ import annotations
@@ -55,6 +66,7 @@ class _Sequence:
     blocks: list[int] = field(default_factory=list)  # block table, len == cdiv(num_tokens, page_size)
     num_tokens: int = 0
     keys: list[BlockKey] = field(default_factory=list)  # prefix-cache keys of blocks[:len(keys)] (committed, full)
+    written: int = 0  # tokens known written (committed): blocks wholly below it minus the window may go cold
 
 
 class KVCacheManager:
@@ -83,9 +95,17 @@ class KVCacheManager:
     4
     """
 
-    def __init__(self, num_blocks: int, page_size: int, enable_prefix_caching: bool = True) -> None:
-        self.block_pool = BlockPool(num_blocks, page_size)
+    def __init__(self, num_blocks: int, page_size: int, enable_prefix_caching: bool = True, num_cold: int = 0,
+                 hot_window: int = 0, demote: str = "window") -> None:
+        if demote not in ("window", "pressure"):
+            raise ValueError(f"demote must be 'window' or 'pressure'; got {demote!r}")
+        self.block_pool = BlockPool(num_blocks, page_size, num_cold)
         self.page_size = page_size
+        self.hot_cold = num_cold > 0
+        self.window_blocks = -(-hot_window // page_size)  # full blocks behind the written end that stay hot
+        self.demote_policy = demote
+        self._demotions: list[tuple[int, int]] = []  # (hot src, cold dst) not yet applied by the caller
+        self.num_demotions = 0
         # None when prefix caching is off: nothing is keyed, looked up or counted.
         self.prefix_cache = PrefixCache(self.block_pool) if enable_prefix_caching else None
         self._seqs: dict[int, _Sequence] = {}
@@ -156,8 +176,16 @@ class KVCacheManager:
         blocks, keys = self._cached_prefix(seq_id, token_ids)
         cached = len(blocks) * self.page_size
         n = min(len(token_ids) - cached, max_chunk)
-        revived = sum(self.block_pool.ref_count(b) == 0 for b in blocks)
-        if _cdiv(cached + n, self.page_size) - len(blocks) > self.block_pool.num_free_blocks - revived:
+        revived = sum(self.block_pool.ref_count(b) == 0 and not self.block_pool.is_cold(b) for b in blocks)
+        need = _cdiv(cached + n, self.page_size) - len(blocks)
+        if need > self.block_pool.num_free_blocks - revived and self.hot_cold:
+            self._make_room(need + revived)  # may move cached blocks: look the prefix up again
+            blocks, keys = self._cached_prefix(seq_id, token_ids)
+            cached = len(blocks) * self.page_size
+            n = min(len(token_ids) - cached, max_chunk)
+            revived = sum(self.block_pool.ref_count(b) == 0 and not self.block_pool.is_cold(b) for b in blocks)
+            need = _cdiv(cached + n, self.page_size) - len(blocks)
+        if need > self.block_pool.num_free_blocks - revived:
             return None
         self._register(seq_id, token_ids, blocks, keys)
         copies = self.allocate(seq_id, n)
@@ -205,7 +233,12 @@ class KVCacheManager:
         total = seq.num_tokens + num_new_tokens
         num_new_blocks = _cdiv(total, self.page_size) - len(seq.blocks)
         last = self._partial_last_block(seq)  # will receive some of the new tokens
+        if last is not None and self.block_pool.is_cold(last):
+            raise RuntimeError(f"sequence {seq_id} would write into cold block {last} (it was truncated below its "
+                               f"hot window); cold pages are read-only")
         copy = last is not None and self._needs_copy(seq)
+        if num_new_blocks + copy > self.block_pool.num_free_blocks and self.hot_cold:
+            self._make_room(num_new_blocks + copy)
         new_blocks = self.block_pool.allocate(num_new_blocks + copy)
         if new_blocks is None:
             return None
@@ -239,6 +272,61 @@ class KVCacheManager:
                 f"commit of {len(token_ids)} tokens for sequence {seq_id}, "
                 f"but only {seq.num_tokens} are allocated"
             )
+        self._register_keys(seq, token_ids)
+        self.mark_written(seq_id, len(token_ids))
+
+    def mark_written(self, seq_id: int, num_tokens: int) -> None:
+        """The first ``num_tokens`` tokens' K/V is written and final (``commit`` says so too, with the
+        prefix cache). Under ``demote="window"`` the blocks that leave the hot window go cold."""
+        seq = self._get(seq_id)
+        if not 0 <= num_tokens <= seq.num_tokens:
+            raise ValueError(f"sequence {seq_id} has {seq.num_tokens} tokens; {num_tokens} cannot be written")
+        seq.written = num_tokens
+        if self.hot_cold and self.demote_policy == "window":
+            for i in self._demotable(seq):
+                if not self._demote(seq.blocks[i]):
+                    break
+
+    def take_demotions(self) -> list[tuple[int, int]]:
+        """The ``(hot src, cold dst)`` demotions queued since the last call, in order; the caller quantizes
+        each ``src`` page into ``dst`` in every layer before the next copy or forward."""
+        out, self._demotions = self._demotions, []
+        return out
+
+    def _demotable(self, seq: _Sequence) -> list[int]:
+        """Indices of the sequence's hot blocks that are full, written and behind the hot window."""
+        end = seq.written // self.page_size - self.window_blocks
+        return [i for i in range(max(end, 0)) if not self.block_pool.is_cold(seq.blocks[i])]
+
+    def _demote(self, block: int) -> bool:
+        """Move hot ``block``'s content to a new cold block in every table that holds it; False when the
+        cold pool is full (nothing changes)."""
+        got = self.block_pool.allocate(1, cold=True)
+        if got is None:
+            return False
+        cold = got[0]
+        holders = [(seq, i) for seq in self._seqs.values() for i, b in enumerate(seq.blocks) if b == block]
+        self.block_pool.incref([cold] * (len(holders) - 1))
+        for seq, i in holders:
+            seq.blocks[i] = cold
+        self.block_pool.move_key(block, cold)
+        self.block_pool.free([block] * len(holders))
+        self._demotions.append((block, cold))
+        self.num_demotions += 1
+        return True
+
+    def _make_room(self, num_hot: int) -> None:
+        """Demote blocks until ``num_hot`` hot blocks are free (or nothing more can go): the longest
+        sequences first, each one's oldest block first."""
+        while self.block_pool.num_free_blocks < num_hot and self.block_pool.num_free_cold_blocks:
+            candidates = [(seq.num_tokens, self._demotable(seq), seq) for seq in self._seqs.values()]
+            candidates = [(n, idx, seq) for n, idx, seq in candidates if idx]
+            if not candidates:
+                return
+            _, idx, seq = max(candidates, key=lambda c: c[0])
+            self._demote(seq.blocks[idx[0]])
+
+    def _register_keys(self, seq: _Sequence, token_ids: Sequence[int]) -> None:
         if self.prefix_cache is None:
             return
         page, done = self.page_size, len(seq.keys)
@@ -261,6 +349,7 @@ class KVCacheManager:
         if not 0 <= num_tokens <= seq.num_tokens:
             raise ValueError(f"cannot truncate sequence {seq_id} to {num_tokens} tokens (has {seq.num_tokens})")
         keep = _cdiv(num_tokens, self.page_size)
+        seq.written = min(seq.written, num_tokens)
         self.block_pool.free(reversed(seq.blocks[keep:]))
         del seq.blocks[keep:]
         del seq.keys[num_tokens // self.page_size :]
@@ -301,6 +390,8 @@ class KVCacheManager:
             assert len(seq.keys) <= seq.num_tokens // self.page_size, seq_id
             for b in seq.blocks:
                 owners[b] += 1
+            if seq.num_tokens % self.page_size:  # the block a write reaches is never cold
+                assert not self.block_pool.is_cold(seq.blocks[-1]), seq_id
         for b in range(1, self.block_pool.num_blocks):
             assert self.block_pool.ref_count(b) == owners[b], (b, self.block_pool.ref_count(b), owners[b])
 

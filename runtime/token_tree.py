@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kernels.hot_cold import hot_tensors
 from .rejection import _draw
 
 _FORMS = "'static:W1,W2,...' (top-W per level, e.g. 'static:4,2,1') or 'dynamic:N' (the N most confident nodes)"
@@ -265,7 +266,7 @@ def keep_path(kv_cache: list[tuple[torch.Tensor, ...]], slots: list[int], path: 
     dst = torch.tensor(slots[1:len(path) + 1], dtype=torch.long)
     moved = 0
     for layer in kv_cache:
-        for t in layer:  # [num_blocks, page_size, ...]: K, V and, when quantized, their scales
+        for t in hot_tensors(layer):  # [num_blocks, page_size, ...]: K, V and, when quantized, their scales
             raw = t.view(torch.uint8) if t.element_size() == 1 else t  # fp8 has no index_copy: its bytes do
             flat = raw.view(-1, *t.shape[2:])
             rows = flat.index_select(0, src.to(t.device))

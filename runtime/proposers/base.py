@@ -127,7 +127,7 @@ class DraftContext:
 
         t = self.program.compiled.context.options
         return BackendOptions(page_size=self.page_size, lowering=self.program.lowering, kv_dtype=t.kv_dtype,
-                              tree_nodes=t.tree_nodes, weight_dtype=weight_dtype or t.weight_dtype,
+                              kv_hot_window=t.kv_hot_window, tree_nodes=t.tree_nodes, weight_dtype=weight_dtype or t.weight_dtype,
                               weight_calibration=t.weight_calibration if self.calibration is None else self.calibration)
 
     def refuse_own_weight_dtype(self, draft: str, why: str) -> None:
