@@ -29,6 +29,15 @@ learns nothing from verification, so it keeps learning in one of two ways:
 * **probes** otherwise: after ``probe_interval`` decode steps without drafts the sequence is given
   ``probe_length`` drafts anyway; each probe that gets nothing accepted doubles the wait.
 
+**Token trees** (``draft_tree`` with ``adaptive``): the tree is the largest shape; the chains its
+depth allows are the smaller ones. Each step the controller compares the chain plan above with
+verifying the whole tree for every decoding sequence (:meth:`SpeculationController.tree_pays`): a
+tree's expected tokens per verify are a decayed mean of its accepted root paths per sequence
+(:class:`TreeRecord`; before any, the engine-wide mean, and before that the chain estimate at the
+tree's depth, which a tree never does worse than), its cost the forward of every node plus the
+measured seconds of a tree draft. A tree left unused for ``probe_interval`` steps is verified once
+anyway, and each probe that gains less than its chain would have doubles the wait.
+
 The choice changes speed only: verification is exact whatever length is chosen, so greedy
 output is identical to no speculation and sampling keeps the target's distribution.
 """
@@ -143,6 +152,17 @@ class SequenceRecord:
     shadow: tuple[int, list[int]] | None = None  # an unverified draft: (sequence length then, tokens)
 
 
+@dataclass
+class TreeRecord:
+    """Tokens per tree verify (1 + the accepted root path), a decayed mean; None before any."""
+
+    tokens: float | None = None
+    decay: float = 0.9
+
+    def update(self, tokens: float) -> None:
+        self.tokens = tokens if self.tokens is None else self.decay * self.tokens + (1 - self.decay) * tokens
+
+
 class SpeculationController:
     """Chooses each step's draft lengths (see the module docstring).
 
@@ -168,11 +188,21 @@ class SpeculationController:
         self._draft_samples = 0
         self.records: dict[int, SequenceRecord] = {}
         self.probes: set[int] = set()  # sequences the last plan before drafting gave drafts only to re-probe
+        self.last_rate = 0.0  # expected tokens per second of the last plan
+        # token trees: per-sequence and engine-wide tokens per verify, a tree draft's seconds, and probes
+        self.trees: dict[int, TreeRecord] = {}
+        self.global_tree = TreeRecord(decay=global_decay)
+        self.tree_draft_seconds = 0.0
+        self.tree_idle_steps = 0
+        self.tree_probe_interval = probe_interval
+        self._probing_tree = False
 
     def forget_acceptance(self) -> None:
         """Back to the prior: every sequence's and the engine-wide acceptance (costs are kept)."""
         self.global_acceptance = Acceptance.prior(self.max_drafts, self.prior_rate, decay=self.global_decay)
         self.records.clear()
+        self.trees.clear()
+        self.global_tree = TreeRecord(decay=self.global_decay)
 
     # ---------------------------------------------------------------- decisions
     def record(self, request_id: int) -> SequenceRecord:
@@ -219,12 +249,52 @@ class SpeculationController:
             tokens += gain
             extra += 1
         ks = best
+        self.last_rate = best_rate
         self.probes = set()
         for i, (rec, cap) in enumerate(zip(recs, caps)):
             if ks[i] == 0 and cap > 0 and drafting_cost and probe and rec.idle_steps + 1 >= rec.probe_interval:
                 ks[i] = min(cap, self.probe_length)  # re-probe a sequence speculation was turned off for
                 self.probes.add(request_ids[i])
         return ks
+
+    def tree_tokens(self, request_id: int, depth: int) -> float:
+        """Expected tokens one tree verify adds to this sequence (see the module docstring)."""
+        own = self.trees.get(request_id)
+        if own is not None and own.tokens is not None:
+            return own.tokens
+        if self.global_tree.tokens is not None:
+            return self.global_tree.tokens
+        return self.record(request_id).acceptance.expected_tokens(depth)
+
+    def tree_pays(self, request_ids: Sequence[int], depths: Sequence[int], nodes: int, other_tokens: int,
+                  chain_rate: float) -> bool:
+        """Whether verifying a tree of ``nodes`` drafts (for each sequence, at most ``depths`` deep) for every
+        decoding sequence beats ``chain_rate`` (tokens per second of the chain plan); a tree unused for
+        ``tree_probe_interval`` steps is tried anyway (a probe)."""
+        tokens = sum(self.tree_tokens(r, d) for r, d in zip(request_ids, depths))
+        seconds = self.forward_cost(other_tokens + len(request_ids) * (1 + nodes)) + self.tree_draft_seconds
+        self._probing_tree = False
+        if seconds > 0 and tokens / seconds > chain_rate:
+            self.tree_idle_steps = 0
+            return True
+        self.tree_idle_steps += 1
+        if self.tree_idle_steps >= self.tree_probe_interval:
+            self.tree_idle_steps, self._probing_tree = 0, True
+            return True
+        return False
+
+    def observe_tree_draft(self, seconds: float) -> None:
+        """A propose_tree call (every tree of the step) took ``seconds``."""
+        self.tree_draft_seconds += 0.3 * (seconds - self.tree_draft_seconds) if self.tree_draft_seconds else seconds
+
+    def observe_tree(self, request_id: int, depth: int, accepted: int) -> None:
+        """A tree verify of the sequence kept a root path of ``accepted`` drafts; a probe that gained less
+        than the chain of the tree's depth would have doubles the wait for the next one."""
+        chain = self.record(request_id).acceptance.expected_tokens(depth)
+        self.trees.setdefault(request_id, TreeRecord(decay=self.decay)).update(1 + accepted)
+        self.global_tree.update(1 + accepted)
+        if self._probing_tree:
+            self.tree_probe_interval = self.probe_interval if 1 + accepted >= chain else 2 * self.tree_probe_interval
 
     # -------------------------------------------------------------- observations
     def observe_draft(self, seconds: float, longest: int) -> None:
@@ -287,6 +357,7 @@ class SpeculationController:
 
     def release(self, request_id: int) -> None:
         self.records.pop(request_id, None)
+        self.trees.pop(request_id, None)
 
 
 def measure_forward_cost(run: Callable[[int], None], sizes: Sequence[int], repeats: int = 3) -> ForwardCost:

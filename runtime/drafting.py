@@ -90,14 +90,15 @@ class Speculation:
         self._kv, self._copy_blocks, self._measure_cost = kv, copy_blocks, measure_cost
         self.draft_s = 0.0  # seconds spent in the proposer (engine.stats["draft_s"])
         self.tree: TreeShape | None = None
+        self.tree_ids: set[int] = set()  # the sequences whose drafts this step are trees
         self.set_tree(tree)
 
     def set_tree(self, tree: TreeShape | None) -> None:
-        """Draft token trees of this shape (None: chains). The controller does not size trees: adaptive is off."""
-        if tree is not None and (self.adaptive or not callable(getattr(self.proposer, "propose_tree", None))):
-            raise ValueError(f"draft_tree={str(tree)!r} needs adaptive=False and a proposer that drafts trees "
-                             f"(ngram, eagle, medusa, a draft model, layer_skip); {getattr(self.proposer, 'name', self.proposer)!r} "
-                             f"with adaptive={self.adaptive}")
+        """Draft token trees of this shape (None: chains). With ``adaptive`` the tree is the largest shape:
+        each step the controller verifies it, a chain within its depth, or nothing."""
+        if tree is not None and not callable(getattr(self.proposer, "propose_tree", None)):
+            raise ValueError(f"draft_tree={str(tree)!r} needs a proposer that drafts trees (ngram, eagle, medusa, a "
+                             f"draft model, layer_skip); {getattr(self.proposer, 'name', self.proposer)!r} does not")
         self.tree = tree
 
     def ready_controller(self) -> SpeculationController | None:
@@ -110,17 +111,21 @@ class Speculation:
 
     def draft(self, chunks: list[ScheduledChunk]) -> dict[int, Draft]:
         """Drafts for the decoding sequences of ``chunks`` by request id; their extra slots are allocated."""
-        if self.tree is not None:
-            return self._draft_trees([c.request for c in chunks if is_decode(c)])
         decodes = [c.request for c in chunks if is_decode(c)]
-        caps = [min(self.num_draft_tokens if r.num_draft_tokens is None else min(r.num_draft_tokens,
-                                                                                 self.num_draft_tokens),
-                    r.max_new_tokens - len(r.output_ids) - 1) for r in decodes]
+        self.tree_ids = set()
         controller = self.ready_controller() if self.adaptive else None
+        if self.tree is not None and controller is None:
+            return self._draft_trees(decodes)
+        longest = self.tree.depth if self.tree is not None else self.num_draft_tokens
+        caps = [min(longest if r.num_draft_tokens is None else min(r.num_draft_tokens, longest),
+                    r.max_new_tokens - len(r.output_ids) - 1) for r in decodes]
         other_tokens = sum(c.num_tokens for c in chunks) - len(decodes)
         ids = [r.request_id for r in decodes]
         shadowing = controller is not None and getattr(self.proposer, "writes_cache", True) is False
         lengths = controller.plan(ids, caps, other_tokens, probe=not shadowing) if controller is not None else caps
+        if self.tree is not None and ids and controller.tree_pays(ids, caps, self.tree.max_nodes, other_tokens,
+                                                                  controller.last_rate):
+            return self._draft_trees(decodes)
         wanted, shadows = [], []
         for r, k, cap in zip(decodes, lengths, caps):
             if k <= 0:
@@ -175,11 +180,15 @@ class Speculation:
         drafts = {}
         t0 = time.perf_counter()
         trees = self.proposer.propose_tree(wanted, self.tree)
-        self.draft_s += time.perf_counter() - t0
+        drafting = time.perf_counter() - t0
+        self.draft_s += drafting
+        if self.controller is not None and self.adaptive:
+            self.controller.observe_tree_draft(drafting)
         for w, d in zip(wanted, trees):
             self._kv.truncate(w.request_id, self._kv.num_tokens(w.request_id) - (scratch - len(d.token_ids)))
             if d.token_ids:
                 drafts[w.request_id] = d
+                self.tree_ids.add(w.request_id)
         return drafts
 
     def _reserve(self, r: Request, slots: int, k: int) -> DraftRequest | None:
@@ -194,6 +203,10 @@ class Speculation:
     def observe_decode(self, r: Request, drafted: int, accepted: int) -> None:
         """A decode forward of ``r`` verified ``drafted`` drafts and accepted ``accepted``."""
         if self.adaptive and self.controller is not None:
+            if r.request_id in self.tree_ids:  # a tree's accepted root path, not a chain's prefix
+                self.controller.observe_tree(r.request_id, self.tree.depth, accepted)
+                self.controller.observe_decode(r.request_id, 0, 0)
+                return
             self.controller.observe_decode(r.request_id, drafted, accepted)
             if self.controller.has_shadow(r.request_id):
                 self.controller.score_shadow(r.request_id, r.all_ids)

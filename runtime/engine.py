@@ -80,7 +80,8 @@ class Engine:
     num_blocks: size of the block pool (block 0 is reserved); of a hot/cold cache, its hot pages.
     kv_hot_window: tokens per sequence kept in the model's dtype under kv_dtype fp8 / int4 / adaptive
         (see :class:`~specgraph.BackendOptions`; 0: every page quantized as written).
-    num_cold_blocks: a hot/cold cache's quantized pages (default: the memory the hot pages leave).
+    num_cold_blocks: a hot/cold cache's quantized pages (default: as many as ``num_blocks`` when that is
+        given, else what ``kv_cache_memory`` leaves after the hot pages).
     max_num_seqs, max_tokens_per_step: continuous-batching limits (prefills are chunked to fit).
     draft: speculative decoding proposer: ``"ngram"``/``"ngram:N"`` (prompt lookup),
         ``"eagle"``/``"medusa"`` (the learned heads shipped for the model, or ``"eagle:PATH"``; see
@@ -91,12 +92,12 @@ class Engine:
     draft_tree: draft token trees instead of chains, verified in one forward each
         (``runtime/token_tree.py``): ``"static:W1,W2,..."`` (the draft's top-``W1`` at depth 1, top-``W2``
         under each at depth 2, ...) or ``"dynamic:N"`` (the ``N`` most confident nodes, EAGLE-2);
-        ``num_draft_tokens`` is then ignored, and ``adaptive`` must be off (its default with a tree).
-        Learned heads (``"eagle"``, ``"medusa"``) draft their kind's default tree unless ``adaptive=True``
-        (chains sized by the controller); ``engine.draft_tree = None`` switches to chains.
+        ``num_draft_tokens`` is then ignored. Learned heads (``"eagle"``, ``"medusa"``) have their kind's
+        default tree; ``engine.draft_tree = None`` switches to chains.
     adaptive: let a controller choose each step's draft length per sequence (0 to
-        ``num_draft_tokens``) from measured acceptance and cost (``runtime/controller.py``); the
-        default when a draft is given. ``adaptive=False`` drafts ``num_draft_tokens`` every step.
+        ``num_draft_tokens``), or with a ``draft_tree`` the whole tree, a chain within its depth or
+        nothing, from measured acceptance and cost (``runtime/controller.py``); the default when a
+        draft is given. ``adaptive=False`` drafts ``num_draft_tokens`` (or the tree) every step.
         Outputs do not depend on it: verification is exact whatever length is chosen.
     draft_weight_dtype: the weight storage of a draft ``nn.Module`` (None: the target's
         ``weight_dtype``), e.g. an int4 draft for a float32 target; verification stays exact for the
@@ -127,7 +128,7 @@ class Engine:
         from .proposers import kind_of
 
         kind = kind_of(draft)
-        if draft_tree is None and kind is not None and not adaptive:  # (the controller sizes chains)
+        if draft_tree is None and kind is not None:  # (with adaptive, the largest shape the controller may use)
             draft_tree = kind.default_tree
         tree = None
         if draft_tree is not None:
@@ -185,7 +186,7 @@ class Engine:
         if adaptive and proposer is None:
             raise ValueError("adaptive=True chooses draft lengths: it needs a draft (e.g. draft='ngram')")
         self.speculation = None if proposer is None else Speculation(
-            proposer, num_draft_tokens, bool(adaptive) if tree is not None else adaptive is not False, self.kv,
+            proposer, num_draft_tokens, adaptive is not False, self.kv,
             self._copy_blocks, self._measure_target_cost, tree)
         self._num_draft_tokens = num_draft_tokens  # (kept when there is no draft, for the stats)
         if self.adaptive and not compile_in_background:
@@ -437,8 +438,6 @@ class Engine:
         if value and self.speculation is None:
             raise ValueError("adaptive=True chooses draft lengths: it needs a draft (e.g. draft='ngram')")
         if self.speculation is not None:
-            if value and self.speculation.tree is not None:
-                raise ValueError("adaptive=True needs chains: the controller does not size trees (draft_tree=None)")
             self.speculation.adaptive = bool(value)
 
     @property
@@ -491,7 +490,7 @@ class Engine:
 
         Hot/cold: under fp8 / int4 the hot pages hold every running sequence's window, the page it
         writes and its drafts, plus one prefill chunk (at most half of the memory); under adaptive half
-        of the memory. The cold pages take what is left."""
+        of the memory. The cold pages take what is left (as many as the hot ones when those are given)."""
         page = self.program.page_size
         per_cold = self.program.kv_bytes_per_token() * page
         if not self.program.hot_cold:
@@ -506,9 +505,9 @@ class Engine:
                 per_seq = options.hot_window_tokens // page + 1 + -(-drafts // page)
                 num_blocks = 1 + max_num_seqs * per_seq + -(-max_tokens_per_step // page)
                 num_blocks = max(2, min(num_blocks, memory // 2 // per_hot))
-        if num_cold is None:
-            num_cold = max(0, (memory - num_blocks * per_hot) // per_cold)
-        return num_blocks, num_cold
+            if num_cold is None:
+                num_cold = max(0, (memory - num_blocks * per_hot) // per_cold)
+        return num_blocks, num_blocks if num_cold is None else num_cold
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Apply queued demotions, then the copy-on-write ``(src, dst)`` block copies (hot pages only)."""

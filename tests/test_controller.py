@@ -203,3 +203,40 @@ def test_adaptive_needs_a_draft_and_fixed_lengths_stay_fixed():
     (r,) = fixed.stats["requests"]
     # every step drafts all it may: 3, then fewer as the last tokens near (wrong drafts: 1 token a step)
     assert r["draft_lengths"] == {0: 1, 1: 1, 2: 1, 3: 6}
+
+
+def test_a_tree_is_verified_where_its_paths_pay_and_probed_with_backoff_where_they_do_not():
+    cheap = SpeculationController(3, ForwardCost({1: 1.0, 8: 1.0, 30: 1.2}), probe_interval=4)
+    cheap.plan([1], [3], 0)
+    cheap.observe_tree(1, 3, 3)  # a full path of 3: 4 tokens per verify
+    assert cheap.tree_tokens(1, 3) == 4.0 and cheap.tree_tokens(2, 3) == 4.0  # (the engine-wide mean for others)
+    assert cheap.tree_pays([1], [3], 6, 0, cheap.last_rate)
+    steep = SpeculationController(3, ForwardCost({1: 1.0, 2: 2.0, 8: 8.0}), probe_interval=4)
+    steep.observe_tree(1, 3, 0)  # nothing accepted: 1 token per verify of 7 tokens
+    decisions = [steep.tree_pays([1], [3], 6, 0, 1.0) for _ in range(8)]
+    assert decisions == [False, False, False, True, False, False, False, True]  # a probe every 4 steps
+    steep.observe_tree(1, 3, 0)  # the probe gained less than the chain: the wait doubles
+    assert [steep.tree_pays([1], [3], 6, 0, 1.0) for _ in range(8)] == [False] * 7 + [True]
+
+
+def test_adaptive_trees_follow_the_cost_and_keep_greedy_output():
+    """With a tree, the controller verifies it where verifying is cheap and falls back to chains or nothing where
+    it is dear (costs pinned: tiny-model timings are noise); the tokens are the target's either way."""
+    model = make_family("llama")
+    prompts = [p * 3 for p in random_prompts("llama", [7, 9])]  # repeats: n-gram trees find them
+    want = _reference(model, prompts, 30)
+    spec = specgraph.Engine(model, lowering="eager", num_blocks=64, page_size=8, draft="ngram",
+                            draft_tree="static:2,2,1")
+    assert spec.adaptive and spec.draft_tree == "static:2,2,1"
+    spec.controller.observe_forward = lambda n, s: None
+    for cost, trees in ((ForwardCost({1: 1.0, 40: 1.0}), True), (ForwardCost({1: 1.0, 2: 10.0, 40: 400.0}), False)):
+        spec.controller.forward_cost = cost
+        spec.controller.forget_acceptance()
+        spec.reset_stats()
+        got = spec.generate(prompts, max_new_tokens=30, ignore_eos=True)
+        assert {tuple(p): r.token_ids for p, r in zip(prompts, got)} == want
+        s = spec.stats
+        if trees:
+            assert s["tree_nodes_verified"] > 0 and s["mean_accepted_tokens"] > 1.5
+        else:
+            assert s["speculated_fraction"] < 0.25

@@ -85,7 +85,9 @@ def test_quantized_cache_program(kv_dtype):
     """kv_quant keeps outputs within quantization error (checked by the manager), swaps in the
     quantized ops, and the cache holds fewer bytes per token."""
     model = make_family("sdpa_gqa")
-    program = compile_decoder(model, BackendOptions(kv_dtype=kv_dtype, check="numeric", page_size=8))
+    window = 0 if kv_dtype in ("fp8", "int4") else None  # every page quantized (test_hot_cold: the hot window)
+    program = compile_decoder(model, BackendOptions(kv_dtype=kv_dtype, kv_hot_window=window, check="numeric",
+                                                    page_size=8))
     targets = {n.target for n in program.gm.graph.nodes if n.op == "call_function"}
     if kv_dtype in ("fp8", "int4"):
         assert getattr(torch.ops.specgraph, f"paged_attention_{kv_dtype}").default in targets

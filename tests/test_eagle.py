@@ -98,8 +98,8 @@ def check_greedy_lossless(model, draft: str, default_tree: str, room: str, tree:
     prompts, _ = _patterned(VOCAB)
     plain = specgraph.Engine(model, num_blocks=64, page_size=8)
     default = specgraph.Engine(model, num_blocks=64, page_size=8, draft=draft)
-    assert default.draft_tree == default_tree and not default.adaptive
-    spec = specgraph.Engine(model, num_blocks=64, page_size=8, draft=draft, draft_tree=room)
+    assert default.draft_tree == default_tree and default.adaptive  # the tree: the controller's largest shape
+    spec = specgraph.Engine(model, num_blocks=64, page_size=8, draft=draft, draft_tree=room, adaptive=False)
     spec.draft_tree = tree
     for batch in (prompts[:1], prompts[3:7]):
         want = [r.token_ids for r in plain.generate(batch, max_new_tokens=16, ignore_eos=True)]
@@ -141,7 +141,7 @@ def test_eagle_sampling_keeps_the_target_distribution(tmp_path, tree):
             log=lambda _: None, recipe=Recipe(steps=20, batch=4, window=16, draft_vocab=6, max_new_tokens=8))
     n = 3000
     engine = specgraph.Engine(target, num_blocks=n + 8, page_size=8, max_num_seqs=n, draft=f"eagle:{out}",
-                              max_tokens_per_step=n * 12, prefix_caching=False)
+                              adaptive=False, max_tokens_per_step=n * 12, prefix_caching=False)
     engine.draft_tree = tree
     results = engine.generate([prompt] * n, max_new_tokens=3, temperature=1.0, seed=1, ignore_eos=True)
     assert engine.stats["draft_tokens"] > 0

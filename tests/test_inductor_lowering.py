@@ -152,7 +152,7 @@ def test_generated_code_verifies_token_trees(lowering):
     Triton kernel in the interpreter): tree speculation's greedy tokens equal plain greedy decoding."""
     model = make_family("llama")
     prompts = [p + p for p in random_prompts("llama", [7, 12], seed=6)]
-    engine = specgraph.Engine(model, lowering=lowering, draft="ngram", draft_tree="static:2,2", page_size=8,
+    engine = specgraph.Engine(model, lowering=lowering, draft="ngram", draft_tree="static:2,2", adaptive=False, page_size=8,
                               num_blocks=32, self_check=False)
     out = engine.generate(prompts, max_new_tokens=6, ignore_eos=True)
     assert [r.token_ids for r in out] == [uncached_greedy(model, p, 6) for p in prompts]

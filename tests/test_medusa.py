@@ -47,7 +47,7 @@ def test_medusa_sampling_keeps_the_target_distribution(tmp_path, tree):
             recipe=Recipe(steps=20, batch=4, window=16, draft_vocab=6, max_new_tokens=8, medusa_heads=2))
     n = 3000
     engine = specgraph.Engine(target, num_blocks=n + 8, page_size=8, max_num_seqs=n, draft=f"medusa:{out}",
-                              draft_tree="static:2,2", max_tokens_per_step=n * 12, prefix_caching=False)
+                              draft_tree="static:2,2", adaptive=False, max_tokens_per_step=n * 12, prefix_caching=False)
     engine.draft_tree = tree  # (within the capacity compiled for static:2,2)
     results = engine.generate([prompt] * n, max_new_tokens=3, temperature=1.0, seed=1, ignore_eos=True)
     assert engine.stats["draft_tokens"] > 0

@@ -65,4 +65,4 @@ def test_token_mixing_the_analysis_cannot_see_is_refused_by_the_self_check():
 
 def test_mixing_int4_noise_would_hide_is_caught_through_the_float_twin():
     with pytest.raises(UnsupportedModelError, match="attention site layer 0"):
-        compile_decoder(CumulativeMixGPT().eval(), BackendOptions(page_size=8, kv_dtype="int4"))
+        compile_decoder(CumulativeMixGPT().eval(), BackendOptions(page_size=8, kv_dtype="int4", kv_hot_window=0))

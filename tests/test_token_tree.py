@@ -113,7 +113,7 @@ def _prompts(family):
 def test_greedy_tree_speculation_is_plain_greedy(family, draft, tree):
     model = make_family(family)
     prompts = _prompts(family)
-    engine = Engine(model, draft=make_family(family, seed=1) if draft == "model" else draft, draft_tree=tree,
+    engine = Engine(model, draft=make_family(family, seed=1) if draft == "model" else draft, draft_tree=tree, adaptive=False,
                     num_blocks=64, page_size=8)
     for batch in (prompts[:1], prompts):
         got = [r.token_ids for r in engine.generate(batch, max_new_tokens=20, ignore_eos=True)]
@@ -130,7 +130,7 @@ def test_a_tree_accepts_at_least_its_chain_at_equal_depth():
     model = make_family("llama")
     prompts = _prompts("llama")
     for draft, better in (("ngram", 1.0), (make_family("llama", seed=1), 0.0)):
-        engine = Engine(model, draft=draft, draft_tree="static:3,2,1", num_blocks=64, page_size=8)
+        engine = Engine(model, draft=draft, draft_tree="static:3,2,1", adaptive=False, num_blocks=64, page_size=8)
         engine.num_draft_tokens = 3
         gained = {}
         for shape in (None, "static:3,2,1"):
@@ -144,7 +144,7 @@ def test_a_tree_accepts_at_least_its_chain_at_equal_depth():
 def test_sampled_tree_speculation_replays_with_its_seed_and_honours_request_caps():
     model = make_family("llama")
     prompts = _prompts("llama")[:2]
-    engine = Engine(model, draft="ngram", draft_tree="dynamic:6", num_blocks=64, page_size=8)
+    engine = Engine(model, draft="ngram", draft_tree="dynamic:6", adaptive=False, num_blocks=64, page_size=8)
     runs = [[r.token_ids for r in engine.generate(prompts, max_new_tokens=16, temperature=0.8, seed=s,
                                                     ignore_eos=True)] for s in (3, 3, 4)]
     assert runs[0] == runs[1] and runs[0] != runs[2]
@@ -161,7 +161,8 @@ def test_tree_of_a_quantized_cache_moves_scales():
     model = make_family("llama")
     prompts = _prompts("llama")[:2]
     plain = Engine(model, kv_dtype="fp8", num_blocks=64, page_size=8)
-    tree = Engine(model, kv_dtype="fp8", draft="ngram", draft_tree="static:2,2,1", num_blocks=64, page_size=8)
+    tree = Engine(model, kv_dtype="fp8", draft="ngram", draft_tree="static:2,2,1", adaptive=False, num_blocks=64,
+                  page_size=8)
     want = [r.token_ids for r in plain.generate(prompts, max_new_tokens=20, ignore_eos=True)]
     assert [r.token_ids for r in tree.generate(prompts, max_new_tokens=20, ignore_eos=True)] == want
     assert tree.stats["accepted_tokens"] > 0
@@ -172,7 +173,7 @@ def test_tree_cache_is_the_prefix_plus_the_tree(monkeypatch):
     not L x B (the prefix is never copied); after verification only the committed tokens' blocks stay."""
     model = make_family("llama")
     prompt = _prompts("llama")[1] * 3  # a long context, repeated: n-gram trees are full
-    engine = Engine(model, draft="ngram", draft_tree="static:4,2,1", num_blocks=128, page_size=8)
+    engine = Engine(model, draft="ngram", draft_tree="static:4,2,1", adaptive=False, num_blocks=128, page_size=8)
     steps = []
     run = type(engine.program).__call__
 
@@ -199,5 +200,3 @@ def test_draft_tree_errors():
         Engine(model, draft_tree="static:2")
     with pytest.raises(ValueError, match="accepted forms"):
         Engine(model, draft="ngram", draft_tree="wide:3")
-    with pytest.raises(ValueError, match="adaptive=False"):
-        Engine(model, draft="ngram", draft_tree="static:2", adaptive=True)
