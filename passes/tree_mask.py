@@ -11,7 +11,7 @@ Before / after::
     ->
     tree_mask: "i32[N, W]"                                   # new input, W = ceil(tree_nodes / 32)
     o = specgraph.paged_attention(q, kc, vc, block_tables, seq_lens, qsl, positions, scale, *variant, tree_mask)
-(and the same for ``paged_attention_fp8`` / ``_int4``.)
+(and the same for ``paged_attention_fp8`` / ``_int4`` / ``_mixed``.)
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from .graph_utils import refresh_meta
 
 specgraph = torch.ops.specgraph
 ATTENTION_OPS = (specgraph.paged_attention.default, specgraph.paged_attention_fp8.default,
-                 specgraph.paged_attention_int4.default)
+                 specgraph.paged_attention_int4.default, specgraph.paged_attention_mixed.default)
 
 
 def tree_mask(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
