@@ -11,7 +11,10 @@ runs under every setting back to back, the order rotating from unit to unit, for
 rounds; a class's time sums each unit's fastest run. Settings:
   - ``none``                 no speculation,
   - ``P k=K``                proposer P drafting K tokens every step (``adaptive=False``),
-  - ``P adaptive``           the controller choosing 0..max(K) per sequence and step.
+  - ``P tree T``             proposer P verifying its default tree T every step (kinds with one: eagle,
+                             medusa; ``adaptive=False``),
+  - ``P adaptive``           the controller choosing 0..max(K) per sequence and step, or, for a kind
+                             with a default tree, each step the tree, a chain within its depth or none.
 One Engine per proposer (its controller measured when it was built); fixed rows switch the
 same Engine's ``adaptive`` off. Settings run interleaved within each class, the order rotating
 between units. The controller forgets its acceptance estimates before each run (a cold start:
@@ -63,10 +66,13 @@ def class_prompts(prompt_set: str) -> dict[str, list[str]]:
     return {"code": cycle(code), "chat": cycle(chat)}
 
 
-def run_unit(engine, adaptive: bool, k: int, prompts: list[list[int]], temp: float, n: int, seed: int) -> dict:
+def run_unit(engine, adaptive: bool, k: int, tree: str | None, prompts: list[list[int]], temp: float, n: int,
+             seed: int) -> dict:
     """One ``generate`` call (one prompt at batch 1, all of them at batch 4) under one setting."""
     if engine.proposer is not None:
         engine.adaptive, engine.num_draft_tokens = adaptive, k
+        if engine.default_tree is not None:
+            engine.draft_tree = tree
         engine.controller.forget_acceptance()  # a cold start: nothing learned on another run helps
     engine.reset_stats()
     gc.collect()
@@ -113,12 +119,15 @@ def main(argv=None) -> int:
                                          num_blocks=num_blocks, max_num_seqs=PROMPTS_PER_CLASS,
                                          draft=None if name == "none" else name, num_draft_tokens=kmax)
         build_s[name] = time.perf_counter() - t0
-    settings = [("none", "none", False, 1)]
+    settings = [("none", "none", False, 1, None)]
     for p in args.proposers:
-        settings += [(f"{p} k={k}", p, False, k) for k in args.ks] + [(f"{p} adaptive", p, True, kmax)]
+        tree = engines[p].default_tree  # the kind's default (eagle, medusa), else None: chains only
+        settings += [(f"{p} k={k}", p, False, k, None) for k in args.ks]
+        settings += [(f"{p} tree {tree}", p, False, kmax, tree)] if tree else []
+        settings += [(f"{p} adaptive", p, True, kmax, tree)]
     warm = [enc(WARMUP_PROMPT)]
-    for label, name, adaptive, k in settings:  # first calls off the clock (never on a timed prompt)
-        run_unit(engines[name], adaptive, k, warm, 0.0, 8, 0)
+    for label, name, adaptive, k, tree in settings:  # first calls off the clock (never on a timed prompt)
+        run_unit(engines[name], adaptive, k, tree, warm, 0.0, 8, 0)
 
     classes = [(g, b, t) for g in groups for b in BATCHES for t in TEMPERATURES]
     best: dict[tuple, dict[str, list[dict]]] = {}  # class -> setting -> each unit's fastest run
@@ -131,8 +140,8 @@ def main(argv=None) -> int:
                 shift = turn % len(settings)
                 order = settings[shift:] + settings[:shift]
                 turn += 1
-                for label, name, adaptive, k in (order if turn % 2 else order[::-1]):
-                    r = run_unit(engines[name], adaptive, k, prompts, t, args.new_tokens, seed=u)
+                for label, name, adaptive, k, tree in (order if turn % 2 else order[::-1]):
+                    r = run_unit(engines[name], adaptive, k, tree, prompts, t, args.new_tokens, seed=u)
                     runs = best.setdefault(c, {}).setdefault(label, [None] * len(units))
                     if runs[u] is None or r["seconds"] < runs[u]["seconds"]:
                         runs[u] = r

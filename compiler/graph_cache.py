@@ -39,6 +39,28 @@ def cache_dir() -> Path | None:
     return Path(value).expanduser() if value else Path.home() / ".cache" / "specgraph" / "graphs"
 
 
+def machine_fingerprint() -> str:
+    """This CPU's model name and flags (``/proc/cpuinfo``; the platform elsewhere): measurements taken on
+    one machine are reused only on the same kind."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [line for line in f if line.startswith(("model name", "flags"))][:2]
+    except OSError:
+        import platform
+
+        lines = [platform.machine(), platform.processor()]
+    return hashlib.blake2b("".join(lines).encode(), digest_size=8).hexdigest()
+
+
+def measurement_path(key: str | None, name: str) -> Path | None:
+    """Where a measurement ``name`` of the program cached under ``key`` on this machine is kept (None: no
+    cache, or a program that is not cached)."""
+    folder = cache_dir()
+    if key is None or folder is None:
+        return None
+    return folder / "measurements" / f"{key}-{machine_fingerprint()}-{name}.json"
+
+
 def _sources_digest() -> str:
     h = hashlib.blake2b(digest_size=16)
     for path in sorted(_PACKAGE.glob("*/*.py")):

@@ -194,6 +194,7 @@ class DecoderProgram:
     hidden_index: int | None = None  # position of the last hidden state (options.hidden_states)
     self_check_seconds: float | None = None  # time the compile-time self-check took (None: not run)
     from_cache: bool = False  # loaded from the graph cache (no capture, no passes in this process)
+    cache_key: str | None = None  # its graph-cache key (None: not cacheable); measurements keyed by it live there
 
     @property
     def gm(self) -> fx.GraphModule:
@@ -436,7 +437,9 @@ def compile_decoder(model: torch.nn.Module, options: BackendOptions | None = Non
     if entry is not None:
         if progress is not None:
             progress("graph from the cache")
-        return cached_program(entry["gm"], entry["spec"], options)
+        program = cached_program(entry["gm"], entry["spec"], options)
+        program.cache_key = key
+        return program
     if progress is not None:
         progress("capture + passes")
     result: dict[str, CompiledGraph] = {}
@@ -469,6 +472,7 @@ def compile_decoder(model: torch.nn.Module, options: BackendOptions | None = Non
         program.self_check_seconds = self_check(program, "auto" if options.kv_hot_cold else options.kv_dtype)
     if key is not None:
         graph_cache.save(key, program, model)
+        program.cache_key = key
     return program
 
 

@@ -76,7 +76,7 @@ def _engine(args, model, tokenizer):
                   weight_calibration=None if args.weight_calibration == "none" else "builtin",
                   max_num_seqs=args.max_num_seqs, dump_dir=getattr(args, "dump_dir", None), draft=args.draft,
                   num_draft_tokens=args.num_draft_tokens, draft_tree=args.draft_tree,
-                  adaptive=(args.adaptive and not args.draft_tree) if args.draft else None,
+                  adaptive=args.adaptive if args.draft else None, kv_hot_window=args.kv_hot_window,
                   lowering=args.lowering,
                   compile_in_background=True)  # answer at once on the eager lowering, switch when compiled
     if args.num_blocks:
@@ -197,7 +197,10 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
     from ..compiler.options import KV_DTYPES, LOWERINGS, PAGE_SIZES, WEIGHT_DTYPES
 
     p.add_argument("--model", default=DEFAULT_MODEL, help="model name, .gguf file or HF folder")
-    p.add_argument("--kv-dtype", default="auto", choices=KV_DTYPES)
+    p.add_argument("--kv-dtype", default="auto", choices=KV_DTYPES,
+                   help="fp8/int4: older pages quantized (hot/cold); adaptive: quantized only under pool pressure")
+    p.add_argument("--kv-hot-window", type=int, default=None,
+                   help="tokens per sequence kept in the model's dtype under fp8/int4/adaptive (default 32; 0: none)")
     p.add_argument("--weight-dtype", default="auto", choices=WEIGHT_DTYPES,
                    help="storage of the linears' weights (int8/int4/fp8/bfloat16: quantized at compile time)")
     p.add_argument("--weight-calibration", default="builtin", choices=("builtin", "none"),

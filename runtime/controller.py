@@ -89,6 +89,29 @@ class ForwardCost:
     def as_dict(self) -> dict[int, float]:
         return dict(zip(self.sizes, self.seconds))
 
+    def save(self, path) -> None:
+        """Write the table as JSON (atomically: a temporary file renamed into place)."""
+        import json
+        import os
+        import tempfile
+
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            json.dump({str(n): s for n, s in self.as_dict().items()}, f)
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path) -> "ForwardCost | None":
+        """A table :meth:`save` wrote, or None (missing or unreadable)."""
+        import json
+
+        try:
+            with open(path) as f:
+                return cls({int(n): float(s) for n, s in json.load(f).items()})
+        except (OSError, ValueError, TypeError, AttributeError):
+            return None
+
 
 @dataclass
 class Acceptance:

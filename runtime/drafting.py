@@ -43,7 +43,9 @@ def measure_target_cost(program: DecoderProgram, kv: KVCacheManager, kv_cache, p
     request's cache state is touched. None when the pool has no room for it now."""
     kv.add_sequence(sequence_id, [])
     try:
-        if kv.allocate(sequence_id, max_stream) is None:
+        # free blocks only: making room (a hot/cold pool's demotions) would queue work for the next step
+        if kv.num_blocks_needed(sequence_id, max_stream) > kv.num_free_blocks or \
+                kv.allocate(sequence_id, max_stream) is None:
             return None
         table = kv.block_table(sequence_id)
 

@@ -14,10 +14,12 @@ import torch
 
 from ..compiler.options import MAX_TREE_NODES, BackendOptions
 from ..compiler.program import AttentionMetadata, DecoderProgram, compile_decoder
-from .controller import SpeculationController
+from ..compiler.graph_cache import measurement_path
+from .controller import ForwardCost, SpeculationController
 from .drafting import Speculation, is_decode, measure_target_cost, verify_draft
 from ..kernels.hot_cold import demote_blocks, hot_tensors
 from .kv_manager import KVCacheManager
+from .kv_pool import pool_sizes
 from .proposers.base import Draft
 from .sampling import SamplingParams, sample, token_logprobs
 from .scheduler import Request, Scheduler
@@ -147,8 +149,9 @@ class Engine:
         if num_cold_blocks is not None and not self.program.hot_cold:
             raise ValueError(f"num_cold_blocks is for a hot/cold cache (kv_dtype fp8 / int4 / adaptive with a hot "
                              f"window); kv_dtype={kv_dtype!r} has one kind of page")
-        self.num_blocks, self.num_cold_blocks = self._pool_sizes(
-            num_blocks, num_cold_blocks, kv_cache_memory, max_num_seqs, max_tokens_per_step, num_draft_tokens, tree)
+        drafts = (1 + tree.scratch_nodes) if tree is not None else (num_draft_tokens + 1 if draft is not None else 1)
+        self.num_blocks, self.num_cold_blocks = pool_sizes(self.program, kv_cache_memory, num_blocks, num_cold_blocks,
+                                                           max_num_seqs, max_tokens_per_step, drafts)
         if self.num_blocks < 2:
             raise ValueError(f"num_blocks must be >= 2 (block 0 is reserved); got {self.num_blocks}")
         device = self.device = next(model.parameters()).device
@@ -474,7 +477,16 @@ class Engine:
         capacity = (self.num_blocks - 1) * self.page_size
         max_stream = min(self.scheduler.max_num_seqs * (self.num_draft_tokens + 1),
                          self.scheduler.max_tokens_per_step, capacity)
-        return measure_target_cost(self.program, self.kv, self.kv_cache, self.page_size, max_stream, self._new_id())
+        # measured once per machine: kept beside the program's graph-cache entry, keyed by this CPU
+        shape = "-".join(map(str, self.program.buckets or ()))
+        path = measurement_path(self.program.cache_key, f"forward-cost-{max_stream}-{self.program.lowering}-{shape}")
+        cost = ForwardCost.load(path) if path is not None else None
+        if cost is None:
+            cost = measure_target_cost(self.program, self.kv, self.kv_cache, self.page_size, max_stream,
+                                       self._new_id())
+            if cost is not None and path is not None:
+                cost.save(path)
+        return cost
 
     def _release_draft_state(self, request: Request) -> None:
         if self.speculation is not None:
@@ -484,30 +496,6 @@ class Engine:
         """The request is finished or aborted: drop the proposer's and the controller's state of it."""
         if self.speculation is not None:
             self.speculation.forget(request)
-
-    def _pool_sizes(self, num_blocks, num_cold, memory, max_num_seqs, max_tokens_per_step, num_draft_tokens, tree):
-        """``(hot blocks, cold blocks)``; a cache of one kind has no cold blocks.
-
-        Hot/cold: under fp8 / int4 the hot pages hold every running sequence's window, the page it
-        writes and its drafts, plus one prefill chunk (at most half of the memory); under adaptive half
-        of the memory. The cold pages take what is left (as many as the hot ones when those are given)."""
-        page = self.program.page_size
-        per_cold = self.program.kv_bytes_per_token() * page
-        if not self.program.hot_cold:
-            return (num_blocks if num_blocks is not None else max(2, memory // per_cold)), 0
-        per_hot = self.program.kv_hot_bytes_per_token() * page
-        options = self.program.compiled.context.options
-        if num_blocks is None:
-            if options.kv_dtype == "adaptive":
-                num_blocks = max(2, memory // 2 // per_hot)
-            else:
-                drafts = (1 + tree.scratch_nodes) if tree is not None else num_draft_tokens + 1
-                per_seq = options.hot_window_tokens // page + 1 + -(-drafts // page)
-                num_blocks = 1 + max_num_seqs * per_seq + -(-max_tokens_per_step // page)
-                num_blocks = max(2, min(num_blocks, memory // 2 // per_hot))
-            if num_cold is None:
-                num_cold = max(0, (memory - num_blocks * per_hot) // per_cold)
-        return num_blocks, num_blocks if num_cold is None else num_cold
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Apply queued demotions, then the copy-on-write ``(src, dst)`` block copies (hot pages only)."""
