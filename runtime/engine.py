@@ -313,6 +313,7 @@ class Engine:
                 out.append(logp.gather(1, torch.tensor(ids[start + 1:start + 1 + n]).view(-1, 1)).view(-1))
                 top1.append(logp.argmax(dim=-1))
         finally:
+            self._apply_demotions()  # (before its blocks are free to be handed out again)
             self.kv.free(sid)
         return (torch.cat(out), torch.cat(top1)) if return_top1 else torch.cat(out)
 
@@ -510,7 +511,8 @@ class Engine:
         demotions = self.kv.take_demotions()
         if not demotions:
             return
-        src, dst = [s for s, _ in demotions], [d for _, d in demotions]
+        latest = {d: s for s, d in demotions}  # a cold page freed and reused within the batch: the last one counts
+        src, dst = list(latest.values()), list(latest)
         for layer in self.kv_cache:
             demote_blocks(*layer[4:], *layer[:4], src, dst)
         for caches in self._all_caches[len(self.kv_cache):]:

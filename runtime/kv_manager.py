@@ -300,12 +300,14 @@ class KVCacheManager:
 
     def _demote(self, block: int) -> bool:
         """Move hot ``block``'s content to a new cold block in every table that holds it; False when the
-        cold pool is full (nothing changes)."""
+        cold pool is full or a holder still writes into it (nothing changes)."""
+        holders = [(seq, i) for seq in self._seqs.values() for i, b in enumerate(seq.blocks) if b == block]
+        if any(i == len(seq.blocks) - 1 and seq.num_tokens % self.page_size for seq, i in holders):
+            return False  # another holder still writes into it (a fork truncated into a shared page)
         got = self.block_pool.allocate(1, cold=True)
         if got is None:
             return False
         cold = got[0]
-        holders = [(seq, i) for seq in self._seqs.values() for i, b in enumerate(seq.blocks) if b == block]
         self.block_pool.incref([cold] * (len(holders) - 1))
         for seq, i in holders:
             seq.blocks[i] = cold
@@ -324,7 +326,8 @@ class KVCacheManager:
             if not candidates:
                 return
             _, idx, seq = max(candidates, key=lambda c: c[0])
-            self._demote(seq.blocks[idx[0]])
+            if not self._demote(seq.blocks[idx[0]]):
+                return
 
     def _register_keys(self, seq: _Sequence, token_ids: Sequence[int]) -> None:
         if self.prefix_cache is None:

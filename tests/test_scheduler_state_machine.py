@@ -71,11 +71,14 @@ class HashChainProgram:
     recompiles = 0  # nothing is compiled: the step is plain Python
     buckets = ()  # no static step graphs
     compiling = False
+    hot_cold = False  # one kind of page
+    cache_key = None  # not in the graph cache: nothing measured is kept
+    lowering = "eager"
 
     def compile_steps(self, kv_cache, table_width, progress=None, background=False):
         pass
 
-    def new_kv_cache(self, num_blocks: int, device="cpu"):
+    def new_kv_cache(self, num_blocks: int, device="cpu", num_cold: int = 0):
         return [(torch.full((num_blocks, self.page_size), -1, dtype=torch.int64),)]
 
     def __call__(self, input_ids, meta, kv_cache):
