@@ -43,8 +43,13 @@ def machine_fingerprint() -> str:
     """This CPU's model name and flags (``/proc/cpuinfo``; the platform elsewhere): measurements taken on
     one machine are reused only on the same kind."""
     try:
+        lines = []
         with open("/proc/cpuinfo") as f:
-            lines = [line for line in f if line.startswith(("model name", "flags"))][:2]
+            for line in f:  # the first CPU's two lines (the file repeats them per CPU)
+                if line.startswith(("model name", "flags")):
+                    lines.append(line)
+                    if len(lines) == 2:
+                        break
     except OSError:
         import platform
 

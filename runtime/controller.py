@@ -43,6 +43,9 @@ output is identical to no speculation and sampling keeps the target's distributi
 """
 from __future__ import annotations
 
+import json
+import os
+import tempfile
 import time
 from bisect import bisect_left
 from dataclasses import dataclass
@@ -91,10 +94,6 @@ class ForwardCost:
 
     def save(self, path) -> None:
         """Write the table as JSON (atomically: a temporary file renamed into place)."""
-        import json
-        import os
-        import tempfile
-
         os.makedirs(os.path.dirname(path), exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
         with os.fdopen(fd, "w") as f:
@@ -104,8 +103,6 @@ class ForwardCost:
     @classmethod
     def load(cls, path) -> "ForwardCost | None":
         """A table :meth:`save` wrote, or None (missing or unreadable)."""
-        import json
-
         try:
             with open(path) as f:
                 return cls({int(n): float(s) for n, s in json.load(f).items()})

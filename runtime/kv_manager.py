@@ -173,20 +173,17 @@ class KVCacheManager:
         """
         if max_chunk < 1:
             raise ValueError(f"max_chunk must be >= 1; got {max_chunk}")
-        blocks, keys = self._cached_prefix(seq_id, token_ids)
-        cached = len(blocks) * self.page_size
-        n = min(len(token_ids) - cached, max_chunk)
-        revived = sum(self.block_pool.ref_count(b) == 0 and not self.block_pool.is_cold(b) for b in blocks)
-        need = _cdiv(cached + n, self.page_size) - len(blocks)
-        if need > self.block_pool.num_free_blocks - revived and self.hot_cold:
-            self._make_room(need + revived)  # may move cached blocks: look the prefix up again
+        for attempt in range(2):  # a hot/cold pool short of hot blocks makes room once, then looks again
             blocks, keys = self._cached_prefix(seq_id, token_ids)
             cached = len(blocks) * self.page_size
             n = min(len(token_ids) - cached, max_chunk)
             revived = sum(self.block_pool.ref_count(b) == 0 and not self.block_pool.is_cold(b) for b in blocks)
             need = _cdiv(cached + n, self.page_size) - len(blocks)
-        if need > self.block_pool.num_free_blocks - revived:
-            return None
+            if need <= self.block_pool.num_free_blocks - revived:
+                break
+            if attempt or not self.hot_cold:
+                return None
+            self._make_room(need + revived)  # may move cached blocks to cold ones: the lookup is redone
         self._register(seq_id, token_ids, blocks, keys)
         copies = self.allocate(seq_id, n)
         # Hits are whole blocks, so there is no shared partial block to copy, and the room was checked.
