@@ -36,7 +36,9 @@ tree's expected tokens per verify are a decayed mean of its accepted root paths 
 (:class:`TreeRecord`; before any, the engine-wide mean, and before that the chain estimate at the
 tree's depth, which a tree never does worse than), its cost the forward of every node plus the
 measured seconds of a tree draft. A tree left unused for ``probe_interval`` steps is verified once
-anyway, and each probe that gains less than its chain would have doubles the wait.
+anyway, and each probe that gains less than its chain would have doubles the wait. A verified tree
+also tells the chain estimate what its first-child chain (the draft's best guess at each level)
+would have kept, so the chain plan stays current while trees win.
 
 The choice changes speed only: verification is exact whatever length is chosen, so greedy
 output is identical to no speculation and sampling keeps the target's distribution.
@@ -55,10 +57,10 @@ from typing import Callable, Sequence
 class ForwardCost:
     """Seconds of one target forward by stream size: measured points, linear in between.
 
-    ``observe`` folds a measured step of a measured size into that point's estimate (exponential
-    average), so the table follows the machine's load and the contexts actually served. One step
-    moves it by at most a factor of 2 (clipped): a pause in one step must not make a size look
-    so dear that it is never chosen, and so never measured again.
+    ``observe`` folds a measured step into its size's estimate (exponential average; a size not in
+    the table joins it), so the table follows the machine's load, the batch and the contexts
+    actually served. One step moves it by at most a factor of 2 (clipped): a pause in one step
+    must not make a size look so dear that it is never chosen, and so never measured again.
     """
 
     def __init__(self, seconds_by_size: dict[int, float], smoothing: float = 0.2):
@@ -84,10 +86,18 @@ class ForwardCost:
         return secs[i - 1] + (secs[i] - secs[i - 1]) * (n - lo) / (hi - lo)
 
     def observe(self, n: int, seconds: float) -> None:
+        """Fold a step of ``n`` stream tokens that took ``seconds`` into the table. A size between the
+        measured points becomes a point of its own (starting from the interpolation), so the sizes the
+        steps actually use are learned, not only guessed from their neighbours."""
+        if n < 1:
+            return
         i = bisect_left(self.sizes, n)
-        if i < len(self.sizes) and self.sizes[i] == n:  # sizes in between follow their neighbours
-            seen = min(max(seconds, 0.5 * self.seconds[i]), 2.0 * self.seconds[i])
-            self.seconds[i] += self.smoothing * (seen - self.seconds[i])
+        if i == len(self.sizes) or self.sizes[i] != n:
+            guess = self(n)
+            self.sizes.insert(i, n)
+            self.seconds.insert(i, guess)
+        seen = min(max(seconds, 0.5 * self.seconds[i]), 2.0 * self.seconds[i])
+        self.seconds[i] += self.smoothing * (seen - self.seconds[i])
 
     def as_dict(self) -> dict[int, float]:
         return dict(zip(self.sizes, self.seconds))

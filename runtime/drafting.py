@@ -27,7 +27,7 @@ from .kv_manager import KVCacheManager
 from .proposers.base import Draft, DraftRequest
 from .rejection import verify_greedy, verify_sampling
 from .sampling import SamplingParams, probabilities
-from .token_tree import TreeShape, verify_tree_greedy, verify_tree_sampling
+from .token_tree import TreeShape, chain_in_tree, verify_tree_greedy, verify_tree_sampling
 from .scheduler import Request, ScheduledChunk
 
 
@@ -37,26 +37,45 @@ def is_decode(chunk: ScheduledChunk) -> bool:
 
 
 def measure_target_cost(program: DecoderProgram, kv: KVCacheManager, kv_cache, page_size: int, max_stream: int,
-                        sequence_id: int):
-    """The target's forward cost by stream size (:func:`~.controller.measure_forward_cost`), timed
-    on scratch sequence ``sequence_id``: its blocks are free ones, freed again uncommitted, so no
-    request's cache state is touched. None when the pool has no room for it now."""
-    kv.add_sequence(sequence_id, [])
-    try:
-        # free blocks only: making room (a hot/cold pool's demotions) would queue work for the next step
-        if kv.num_blocks_needed(sequence_id, max_stream) > kv.num_free_blocks or \
-                kv.allocate(sequence_id, max_stream) is None:
+                        sequence_ids: list[int], context: int = 128):
+    """The target's forward cost by stream size (:func:`~.controller.measure_forward_cost`), timed in the
+    shape decode steps have: a stream of ``n`` tokens is ``min(n, len(sequence_ids))`` scratch sequences,
+    each past ``context`` cached tokens, feeding an equal share of the ``n`` (one token each: a plain
+    decode batch; more: a verify). A prefill-shaped measurement (one sequence from position 0) prices a
+    batch's verify about a quarter too cheap. The scratch blocks are free ones, freed again uncommitted,
+    so no request's cache state is touched; with too little room the context, then the sequences, shrink.
+    None when not even one sequence fits."""
+    seqs = list(sequence_ids)
+    while True:
+        per_seq = context + -(-max_stream // len(seqs))
+        needed = len(seqs) * -(-per_seq // page_size)
+        if needed <= kv.num_free_blocks:  # free blocks only: making room would queue demotions
+            break
+        if context > 0:
+            context //= 2
+        elif len(seqs) > 1:
+            seqs.pop()
+        else:
             return None
-        table = kv.block_table(sequence_id)
+    for sid in seqs:
+        kv.add_sequence(sid, [])
+    try:
+        if any(kv.allocate(sid, per_seq) is None for sid in seqs):
+            return None
+        tables = [kv.block_table(sid) for sid in seqs]
 
         def forward(n: int) -> None:
-            meta = AttentionMetadata.build([(table, 0, n)], page_size, [list(range(n))])
+            b = min(n, len(tables))
+            shares = [n // b + (i < n % b) for i in range(b)]
+            meta = AttentionMetadata.build([(t, context, q) for t, q in zip(tables, shares)], page_size,
+                                           [list(range(q)) for q in shares])  # a verify wants every row
             program(torch.zeros(n, dtype=torch.long), meta, kv_cache)
 
         with torch.no_grad():
             return measure_forward_cost(forward, cost_sizes(max_stream, program.buckets))
     finally:
-        kv.free(sequence_id)
+        for sid in seqs:
+            kv.free(sid)
 
 
 def verify_draft(draft: Draft, logits: torch.Tensor, params: SamplingParams,
@@ -202,16 +221,19 @@ class Speculation:
         self._copy_blocks(copies)
         return DraftRequest(r.request_id, r.all_ids, len(r.prompt_ids), k, r.params, r.generator)
 
-    def observe_decode(self, r: Request, drafted: int, accepted: int) -> None:
-        """A decode forward of ``r`` verified ``drafted`` drafts and accepted ``accepted``."""
-        if self.adaptive and self.controller is not None:
-            if r.request_id in self.tree_ids:  # a tree's accepted root path, not a chain's prefix
-                self.controller.observe_tree(r.request_id, self.tree.depth, accepted)
-                self.controller.observe_decode(r.request_id, 0, 0)
-                return
-            self.controller.observe_decode(r.request_id, drafted, accepted)
-            if self.controller.has_shadow(r.request_id):
-                self.controller.score_shadow(r.request_id, r.all_ids)
+    def observe_decode(self, r: Request, draft: Draft | None, path: list[int]) -> None:
+        """A decode forward of ``r`` verified ``draft`` (None: a plain decode) and accepted the drafts at
+        step nodes ``path``."""
+        if not (self.adaptive and self.controller is not None):
+            return
+        rid = r.request_id
+        if rid in self.tree_ids:  # a tree's accepted root path; its first-child chain tells the chain estimate
+            self.controller.observe_tree(rid, self.tree.depth, len(path))
+            self.controller.observe_decode(rid, *chain_in_tree(draft.parents, path))
+            return
+        self.controller.observe_decode(rid, len(draft.token_ids) if draft is not None else 0, len(path))
+        if self.controller.has_shadow(rid):
+            self.controller.score_shadow(rid, r.all_ids)
 
     def observe_forward(self, num_tokens: int, seconds: float) -> None:
         """A forward made only of decodes took ``seconds`` over ``num_tokens`` tokens."""

@@ -480,11 +480,11 @@ class Engine:
                          self.scheduler.max_tokens_per_step, capacity)
         # measured once per machine: kept beside the program's graph-cache entry, keyed by this CPU
         shape = "-".join(map(str, self.program.buckets or ()))
-        path = measurement_path(self.program.cache_key, f"forward-cost-{max_stream}-{self.program.lowering}-{shape}")
+        path = measurement_path(self.program.cache_key, f"forward-cost-decode-{max_stream}-{self.program.lowering}-{shape}")
         cost = ForwardCost.load(path) if path is not None else None
         if cost is None:
             cost = measure_target_cost(self.program, self.kv, self.kv_cache, self.page_size, max_stream,
-                                       self._new_id())
+                                       [self._new_id() for _ in range(self.scheduler.max_num_seqs)])
             if cost is not None and path is not None:
                 cost.save(path)
         return cost
@@ -564,6 +564,7 @@ class Engine:
             r.num_computed = c.start + c.num_tokens
             token_logits = logits[row:row + len(rows)]  # row i: the distribution of new token i
             drafted = len(drafts[rid].token_ids) if rid in drafts else 0
+            path: list[int] = []
             if rows and drafted:
                 new_tokens, path = self._verify(r, drafts[rid], token_logits)
                 if path != list(range(1, len(path) + 1)):  # tree nodes off the chain's cache indices
@@ -587,7 +588,7 @@ class Engine:
                     finished.append(r)
                     break
             if decode:
-                self._account_decode(r, drafted, len(new_tokens) - 1 if drafted else 0, emitted)
+                self._account_decode(r, drafts.get(rid), emitted, path)
             if not r.finished:
                 self.kv.commit(rid, r.all_ids[:r.num_computed])
             if r.finished:
@@ -613,13 +614,15 @@ class Engine:
         s["verify_emitted"] += len(tokens)
         return tokens, path
 
-    def _account_decode(self, r: Request, drafted: int, accepted: int, emitted: int) -> None:
+    def _account_decode(self, r: Request, draft: Draft | None, emitted: int, path: list[int]) -> None:
+        """One decode forward of ``r``: ``draft`` verified (None: none), its step nodes ``path`` accepted."""
+        drafted = len(draft.token_ids) if draft is not None else 0
         r.decode_steps += 1
         r.draft_lengths[drafted] = r.draft_lengths.get(drafted, 0) + 1
         self._stats["decode_forwards"] += 1
         self._stats["decode_emitted"] += emitted
         if self.speculation is not None:
-            self.speculation.observe_decode(r, drafted, accepted)
+            self.speculation.observe_decode(r, draft, path)
 
     def _emit(self, r: Request, token: int, logits: torch.Tensor) -> None:
         r.output_ids.append(token)

@@ -187,6 +187,27 @@ def step_children(parents: list[int]) -> list[list[int]]:
     return children
 
 
+def chain_in_tree(parents: list[int], path: list[int]) -> tuple[int, int]:
+    """The tree's first-child chain (from the root, each node's first child: the draft's best guess there)
+    against the accepted root path ``path`` (step nodes): ``(the chain's length, how many of its nodes
+    lead the path)``. Under greedy decoding that is what verifying that chain alone would have accepted.
+
+    >>> chain_in_tree([-1, -1, 0, 1], [2, 4])  # root -> {1 -> {3}, 2 -> {4}}: the chain is 1 -> 3
+    (2, 0)
+    >>> chain_in_tree([-1, -1, 0, 1], [1])
+    (2, 1)
+    """
+    children = step_children(parents)
+    chain, node = [], 0
+    while children[node]:
+        node = children[node][0]
+        chain.append(node)
+    kept = 0
+    while kept < min(len(chain), len(path)) and chain[kept] == path[kept]:
+        kept += 1
+    return len(chain), kept
+
+
 def verify_tree_greedy(tokens: list[int], parents: list[int], target_logits: torch.Tensor) -> tuple[list[int], list[int]]:
     """Greedy tree verification over ``target_logits [1 + len(tokens), V]`` (row ``m``: after step node ``m``).
 

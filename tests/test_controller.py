@@ -22,8 +22,10 @@ def test_forward_cost_interpolates_extrapolates_and_follows_observations():
     before = cost(8)
     cost.observe(8, 100.0)  # one pause moves it as a doubling would
     assert cost(8) == pytest.approx(before + 0.2 * before)
-    cost.observe(5, 0.5)  # a size between points is not a point
-    assert cost.sizes == [1, 8, 16]
+    at_12 = cost(12)
+    cost.observe(12, 10.0)  # a size the steps use becomes a point: learned, not only interpolated
+    assert cost.sizes == [1, 8, 12, 16] and cost(12) == pytest.approx(at_12 + 0.2 * at_12)
+    assert cost(10) == pytest.approx((cost(8) + cost(12)) / 2)  # its neighbours' segments follow it
     with pytest.raises(ValueError, match="stream sizes"):
         ForwardCost({})
 
