@@ -27,7 +27,10 @@ learns nothing from verification, so it keeps learning in one of two ways:
   accepted; under sampling a one-hot draft token is accepted with the target's probability of
   it, which is the chance the sampled token equals it. So the estimate stays current for free.
 * **probes** otherwise: after ``probe_interval`` decode steps without drafts the sequence is given
-  ``probe_length`` drafts anyway; each probe that gets nothing accepted doubles the wait.
+  ``probe_length`` drafts anyway; each probe that gets nothing accepted doubles the wait. The wait
+  is also long enough that probes cost at most ``probe_budget`` of the time: a probe that adds
+  ``x`` seconds to a step of ``t`` waits at least ``x / (probe_budget * t)`` steps, so a dear probe
+  (a whole tree for a batch of 4) comes rarely and a cheap one often.
 
 **Token trees** (``draft_tree`` with ``adaptive``): the tree is the largest shape; the chains its
 depth allows are the smaller ones. Each step the controller compares the chain plan above with
@@ -35,8 +38,9 @@ verifying the whole tree for every decoding sequence (:meth:`SpeculationControll
 tree's expected tokens per verify are a decayed mean of its accepted root paths per sequence
 (:class:`TreeRecord`; before any, the engine-wide mean, and before that the chain estimate at the
 tree's depth, which a tree never does worse than), its cost the forward of every node plus the
-measured seconds of a tree draft. A tree left unused for ``probe_interval`` steps is verified once
-anyway, and each probe that gains less than its chain would have doubles the wait. A verified tree
+measured seconds of a tree draft. A tree left unused for ``probe_interval`` steps (and the probe
+budget's wait) is verified once anyway, and each probe that gains less than its chain would have
+doubles the wait. A verified tree
 also tells the chain estimate what its first-child chain (the draft's best guess at each level)
 would have kept, so the chain plan stays current while trees win.
 
@@ -200,12 +204,13 @@ class SpeculationController:
     :class:`ForwardCost`. ``prior_rate``: the acceptance assumed before any observation (even odds,
     so speculation is tried). ``decay``/``global_decay``: how fast a sequence's / the engine-wide
     estimate forgets; ``start_weight``: how many observations of the engine-wide estimate a new
-    sequence starts with.
+    sequence starts with; ``probe_budget``: the share of time probes may cost (None: no bound).
     """
 
     def __init__(self, max_drafts: int, forward_cost: ForwardCost, *, prior_rate: float = 0.5,
                  decay: float = 0.9, global_decay: float = 0.98,
-                 start_weight: float = 4.0, probe_interval: int = 16, probe_length: int = 2):
+                 start_weight: float = 4.0, probe_interval: int = 16, probe_length: int = 2,
+                 probe_budget: float | None = 0.03):
         if max_drafts < 1:
             raise ValueError(f"max_drafts must be >= 1; got {max_drafts}")
         self.max_drafts = max_drafts
@@ -213,7 +218,7 @@ class SpeculationController:
         self.prior_rate, self.global_decay = prior_rate, global_decay
         self.global_acceptance = Acceptance.prior(max_drafts, prior_rate, decay=global_decay)
         self.decay, self.start_weight = decay, start_weight
-        self.probe_interval, self.probe_length = probe_interval, probe_length
+        self.probe_interval, self.probe_length, self.probe_budget = probe_interval, probe_length, probe_budget
         self.draft_seconds_per_position = 0.0  # per propose call, per drafted position (batched)
         self._draft_samples = 0
         self.records: dict[int, SequenceRecord] = {}
@@ -281,8 +286,12 @@ class SpeculationController:
         ks = best
         self.last_rate = best_rate
         self.probes = set()
+        plain = other_tokens + len(recs) + sum(ks)
+        probe_extra = (self.forward_cost(plain + self.probe_length) - self.forward_cost(plain)
+                       + per_position * max(0, self.probe_length - max(ks, default=0)))
+        stretch = self._probe_stretch(probe_extra, self.forward_cost(plain))
         for i, (rec, cap) in enumerate(zip(recs, caps)):
-            if ks[i] == 0 and cap > 0 and drafting_cost and probe and rec.idle_steps + 1 >= rec.probe_interval:
+            if ks[i] == 0 and cap > 0 and drafting_cost and probe and rec.idle_steps + 1 >= rec.probe_interval * stretch:
                 ks[i] = min(cap, self.probe_length)  # re-probe a sequence speculation was turned off for
                 self.probes.add(request_ids[i])
         return ks
@@ -308,10 +317,18 @@ class SpeculationController:
             self.tree_idle_steps = 0
             return True
         self.tree_idle_steps += 1
-        if self.tree_idle_steps >= self.tree_probe_interval:
+        plain = self.forward_cost(other_tokens + len(request_ids))
+        if self.tree_idle_steps >= self.tree_probe_interval * self._probe_stretch(seconds - plain, plain):
             self.tree_idle_steps, self._probing_tree = 0, True
             return True
         return False
+
+    def _probe_stretch(self, extra_seconds: float, step_seconds: float) -> float:
+        """How many times ``probe_interval`` a probe that adds ``extra_seconds`` to a step of ``step_seconds``
+        waits, so that probing costs at most ``probe_budget`` of the time (at least once the interval)."""
+        if self.probe_budget is None or step_seconds <= 0:
+            return 1.0
+        return max(1.0, extra_seconds / (self.probe_budget * step_seconds) / self.probe_interval)
 
     def observe_tree_draft(self, seconds: float) -> None:
         """A propose_tree call (every tree of the step) took ``seconds``."""

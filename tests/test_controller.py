@@ -85,7 +85,8 @@ def test_plan_speculates_when_it_pays_and_not_when_it_does_not():
 
 
 def test_an_idle_sequence_is_probed_with_backoff_and_its_probe_survives_the_second_plan():
-    ctl = SpeculationController(4, ForwardCost({1: 1.0, 2: 2.0, 8: 8.0}), probe_interval=3, probe_length=2)
+    ctl = SpeculationController(4, ForwardCost({1: 1.0, 2: 2.0, 8: 8.0}), probe_interval=3, probe_length=2,
+                                probe_budget=None)
     ctl.record(7).acceptance = Acceptance.prior(4, 0.01)
 
     def steps(n, accepted=0):
@@ -101,6 +102,24 @@ def test_an_idle_sequence_is_probed_with_backoff_and_its_probe_survives_the_seco
     ctl.observe_decode(7, 2, 1)  # a probe that pays: back to the first interval
     assert ctl.records[7].probe_interval == 3
 
+
+
+def test_probes_wait_long_enough_to_cost_at_most_their_budget():
+    """A probe that adds x seconds to a step of t waits at least x / (budget * t) idle steps: a cheap probe
+    keeps the base interval, a dear one (each token as dear as a forward) comes rarely."""
+    def first_probe(cost):
+        ctl = SpeculationController(4, cost, probe_interval=4, probe_length=2, probe_budget=0.05)
+        ctl.record(7).acceptance = Acceptance.prior(4, 0.01)
+        for step in range(1, 200):
+            if ctl.plan([7], [4], 0)[0]:
+                return step
+            ctl.observe_decode(7, 0, 0)
+
+    assert first_probe(ForwardCost({1: 1.0, 2: 1.02, 8: 1.2})) == 4  # +5% a probe: the interval alone
+    assert first_probe(ForwardCost({1: 1.0, 2: 2.0, 8: 8.0})) == 40  # +2 forwards a probe: 2 / (0.05 * 1)
+    steep = SpeculationController(3, ForwardCost({1: 1.0, 2: 2.0, 8: 8.0}), probe_interval=4, probe_budget=0.1)
+    steep.observe_tree(1, 3, 0)  # a tree of 6 adds 6 forwards: probed after 60 idle steps
+    assert [steep.tree_pays([1], [3], 6, 0, 1.0) for _ in range(60)] == [False] * 59 + [True]
 
 def test_a_shadow_draft_is_scored_when_the_target_decides_it():
     ctl = SpeculationController(3, ForwardCost({1: 1.0, 8: 1.0}))  # verifying is free...
@@ -213,7 +232,7 @@ def test_a_tree_is_verified_where_its_paths_pay_and_probed_with_backoff_where_th
     cheap.observe_tree(1, 3, 3)  # a full path of 3: 4 tokens per verify
     assert cheap.tree_tokens(1, 3) == 4.0 and cheap.tree_tokens(2, 3) == 4.0  # (the engine-wide mean for others)
     assert cheap.tree_pays([1], [3], 6, 0, cheap.last_rate)
-    steep = SpeculationController(3, ForwardCost({1: 1.0, 2: 2.0, 8: 8.0}), probe_interval=4)
+    steep = SpeculationController(3, ForwardCost({1: 1.0, 2: 2.0, 8: 8.0}), probe_interval=4, probe_budget=None)
     steep.observe_tree(1, 3, 0)  # nothing accepted: 1 token per verify of 7 tokens
     decisions = [steep.tree_pays([1], [3], 6, 0, 1.0) for _ in range(8)]
     assert decisions == [False, False, False, True, False, False, False, True]  # a probe every 4 steps

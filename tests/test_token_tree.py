@@ -7,8 +7,8 @@ import torch
 from specgraph.runtime.engine import Engine
 from specgraph.runtime.proposers.base import DraftRequest
 from specgraph.runtime.proposers.ngram import NgramProposer
-from specgraph.runtime.token_tree import (TreeBuilder, TreeShape, keep_path, parse_tree, verify_tree_greedy,
-                                          verify_tree_sampling)
+from specgraph.runtime.token_tree import (TreeBuilder, TreeShape, chain_in_tree, keep_path, parse_tree,
+                                          verify_tree_greedy, verify_tree_sampling)
 from models import FAMILIES, make_family, random_prompts, uncached_greedy
 from test_rejection import ALPHA, chi2_pvalue
 
@@ -62,6 +62,22 @@ def test_greedy_tree_verification():
     assert verify_tree_greedy([1, 3, 4], [-1, -1, 1], logits) == ([2], [])
     # a chain gives the chain verifier's answer
     assert verify_tree_greedy([2, 4, 0], [-1, 0, 1], torch.eye(6)[[2, 4, 1, 3]]) == ([2, 4, 1], [1, 2])
+
+
+
+def test_the_chain_in_a_tree_keeps_what_verifying_it_alone_would():
+    """A tree's first-child chain (the draft's best guess per level), scored against the accepted root path,
+    equals greedy verification of that chain alone: the controller's chain estimate learns from trees."""
+    g = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        tokens = torch.randint(0, 4, (6,), generator=g).tolist()
+        parents = [-1, -1, 0, 0, 1, 2]  # root -> {1 -> {3 -> {6}, 4}, 2 -> {5}} in step nodes
+        logits = torch.randn(7, 4, generator=g)
+        _, path = verify_tree_greedy(tokens, parents, logits)
+        chain = [0, 2, 5]  # draft nodes of the first-child chain: 1 -> 3 -> 6 in step nodes
+        chain_logits = logits[[0] + [c + 1 for c in chain]]
+        kept = len(verify_tree_greedy([tokens[c] for c in chain], [-1, 0, 1], chain_logits)[0]) - 1
+        assert chain_in_tree(parents, path) == (3, kept)
 
 
 V = 8
