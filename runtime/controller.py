@@ -40,9 +40,8 @@ tree's expected tokens per verify are a decayed mean of its accepted root paths 
 tree's depth, which a tree never does worse than), its cost the forward of every node plus the
 measured seconds of a tree draft. A tree left unused for ``probe_interval`` steps (and the probe
 budget's wait) is verified once anyway, and each probe that gains less than its chain would have
-doubles the wait. A verified tree
-also tells the chain estimate what its first-child chain (the draft's best guess at each level)
-would have kept, so the chain plan stays current while trees win.
+doubles the wait. A verified tree also tells the chain estimate what its first-child chain (the
+draft's best guess at each level) would have kept, so the chain plan stays current while trees win.
 
 The choice changes speed only: verification is exact whatever length is chosen, so greedy
 output is identical to no speculation and sampling keeps the target's distribution.
@@ -291,7 +290,8 @@ class SpeculationController:
                        + per_position * max(0, self.probe_length - max(ks, default=0)))
         stretch = self._probe_stretch(probe_extra, self.forward_cost(plain))
         for i, (rec, cap) in enumerate(zip(recs, caps)):
-            if ks[i] == 0 and cap > 0 and drafting_cost and probe and rec.idle_steps + 1 >= rec.probe_interval * stretch:
+            due = rec.idle_steps + 1 >= rec.probe_interval * stretch
+            if ks[i] == 0 and cap > 0 and drafting_cost and probe and due:
                 ks[i] = min(cap, self.probe_length)  # re-probe a sequence speculation was turned off for
                 self.probes.add(request_ids[i])
         return ks

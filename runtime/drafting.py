@@ -41,10 +41,10 @@ def measure_target_cost(program: DecoderProgram, kv: KVCacheManager, kv_cache, p
     """The target's forward cost by stream size (:func:`~.controller.measure_forward_cost`), timed in the
     shape decode steps have: a stream of ``n`` tokens is ``min(n, len(sequence_ids))`` scratch sequences,
     each past ``context`` cached tokens, feeding an equal share of the ``n`` (one token each: a plain
-    decode batch; more: a verify). A prefill-shaped measurement (one sequence from position 0) prices a
-    batch's verify about a quarter too cheap. The scratch blocks are free ones, freed again uncommitted,
-    so no request's cache state is touched; with too little room the context, then the sequences, shrink.
-    None when not even one sequence fits."""
+    decode batch; more: a verify), not one sequence's prefill from position 0, a shape no decode step
+    has. The scratch blocks are free ones, freed again uncommitted, so no request's cache state is
+    touched; with too little room the context, then the sequences, shrink. None when not even one
+    sequence fits."""
     seqs = list(sequence_ids)
     while True:
         per_seq = context + -(-max_stream // len(seqs))

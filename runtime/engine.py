@@ -480,7 +480,8 @@ class Engine:
                          self.scheduler.max_tokens_per_step, capacity)
         # measured once per machine: kept beside the program's graph-cache entry, keyed by this CPU
         shape = "-".join(map(str, self.program.buckets or ()))
-        path = measurement_path(self.program.cache_key, f"forward-cost-decode-{max_stream}-{self.program.lowering}-{shape}")
+        name = f"forward-cost-decode-{max_stream}-{self.program.lowering}-{shape}"
+        path = measurement_path(self.program.cache_key, name)
         cost = ForwardCost.load(path) if path is not None else None
         if cost is None:
             cost = measure_target_cost(self.program, self.kv, self.kv_cache, self.page_size, max_stream,
