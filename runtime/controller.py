@@ -285,13 +285,14 @@ class SpeculationController:
         ks = best
         self.last_rate = best_rate
         self.probes = set()
+        if not (drafting_cost and probe):  # after drafting (or with shadows) nothing is probed
+            return ks
         plain = other_tokens + len(recs) + sum(ks)
         probe_extra = (self.forward_cost(plain + self.probe_length) - self.forward_cost(plain)
                        + per_position * max(0, self.probe_length - max(ks, default=0)))
         stretch = self._probe_stretch(probe_extra, self.forward_cost(plain))
         for i, (rec, cap) in enumerate(zip(recs, caps)):
-            due = rec.idle_steps + 1 >= rec.probe_interval * stretch
-            if ks[i] == 0 and cap > 0 and drafting_cost and probe and due:
+            if ks[i] == 0 and cap > 0 and rec.idle_steps + 1 >= rec.probe_interval * stretch:
                 ks[i] = min(cap, self.probe_length)  # re-probe a sequence speculation was turned off for
                 self.probes.add(request_ids[i])
         return ks
