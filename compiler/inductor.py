@@ -152,14 +152,14 @@ def choose_buckets(gm: fx.GraphModule, device: torch.device) -> StepPlan:
     On CUDA: :data:`CUDA_BUCKETS`. On CPU the choice is how a decode's linears run, which is most
     of a batch-1 step. Inductor runs the linears of a graph with a static row count through MKL's
     packed GEMM and those of a graph with a symbolic row count through oneDNN's; specgraph also has
-    a C++ few-row kernel (``specgraph_cpu::gemv``, the weights streamed once per two rows). Which
+    a C++ few-row kernel (``specgraph_cpu::gemv``, the weights streamed once for up to 8 rows). Which
     wins differs between CPUs and even with the load (on an AMD EPYC with AVX2: oneDNN 8.2 ms, MKL
     10.7 ms over 160 MiB when quiet), so this times the three streaming the graph's own weights
     (more bytes than any CPU cache: timing one small matrix again and again measures the cache, and
     once picked a library 1.35x slower on the real step) and compiles a static graph for 1-token
     steps only when MKL or the C++ kernel beats oneDNN at 2 rows (the dynamic graph pads a decode
     to 2 rows; a memory-bound GEMV costs about the same for 1 and 2). Beside it, each of 4 and 8
-    rows where MKL or the C++ kernel (its tiled path) beats oneDNN gets a static graph for steps up
+    rows where MKL or the C++ kernel beats oneDNN gets a static graph for steps up
     to that many tokens, with the faster of the two: batched decodes and verifies. Each bucket
     picks its own linears (on an AVX-512 Xeon MKL won 1 row and the C++ kernel 4 and 8, by 16%
     over oneDNN). A verify of k drafts costs a ``k + 1``-token step, so these graphs decide what

@@ -452,92 +452,108 @@ bool attention_pays(torch::Tensor seq_lens, torch::Tensor query_start_loc) {
   return max_q <= 2 || (max_q <= 16 && live * max_len <= 1024);
 }
 
-// Few-row linear: y[m, n] = x[m, :] . w[n, :] (+ b[n]) for float32 x [..., K] and w [N, K] (both
-// contiguous). Each thread owns a contiguous range of output rows (one sequential stream through the
-// weights). One or two rows of x: gemv_block, memory-bound, the weights streamed once per two rows.
-// More rows: gemv_tile, the weights streamed once, each pair of weight rows used by every row of x
-// from L1, and prefetched 4 KiB ahead: with 8 rows the dot products cost as much as the stream, and
-// without the prefetch the two do not overlap (8 rows over SmolLM2's weights, 2 threads, AMD EPYC:
-// 31-35 ms prefetched, 39-46 ms not, oneDNN 38-44 ms).
-template <int R>
-static void gemv_block(const float* x, const float* w, const float* b, float* y, int64_t K, int64_t N, int64_t n0,
-                       int64_t n1) {
-  // accumulator chains per row: 4 for one row (32 floats per iteration), 2 each for two rows; enough
-  // independent FMAs to keep the loads of one weight stream in flight
-  constexpr int C = R == 1 ? 4 : 2;
-  for (int64_t n = n0; n < n1; ++n) {
-    const float* wr = w + n * K;
-    float acc[R];
-    int64_t k = 0;
+// Few-row linear: y[m, n] = x[m, :] . w[n, :] (+ b[n]) for float32 x [M, K] and w [N, K] (both
+// contiguous), M small (decode and verify steps). Memory-bound: the weights are streamed once
+// whatever M is. Each thread owns a contiguous range of output rows; it walks them a tile of NB
+// weight rows at a time (NB streams in flight, the next tile prefetched while this one is used),
+// and each tile is used by every row of x, G rows at a time from registers (x stays in L1). Over
+// SmolLM2's 538 MB of weights (2 threads, AVX-512 Xeon): 8 rows 25-26 ms, where MKL's packed GEMM
+// took 31-32 and the kernel before this one (one stream per thread, 4 rows per tile) 33-34;
+// 2-4 rows 24 ms, close to the 1-row cost (MKL 20-23, this 22-24). Vector width: AVX-512 where
+// the CPU has it, else AVX2 (16 registers: at most 4 rows of x per tile).
 #ifdef SPECGRAPH_AVX2
-    __m256 a[R][C];
-    for (int r = 0; r < R; ++r)
-      for (int c = 0; c < C; ++c) a[r][c] = _mm256_setzero_ps();
-    for (; k + 8 * C <= K; k += 8 * C) {
-      __m256 wv[C];
-      for (int c = 0; c < C; ++c) wv[c] = _mm256_loadu_ps(wr + k + 8 * c);
-      for (int r = 0; r < R; ++r)
-        for (int c = 0; c < C; ++c) a[r][c] = _mm256_fmadd_ps(wv[c], _mm256_loadu_ps(x + r * K + k + 8 * c), a[r][c]);
-    }
-    for (int r = 0; r < R; ++r) {
-      __m256 sum = a[r][0];
-      for (int c = 1; c < C; ++c) sum = _mm256_add_ps(sum, a[r][c]);
-      acc[r] = hsum8(sum);
-    }
+#ifdef __AVX512F__
+struct FloatVec {
+  using T = __m512;
+  static constexpr int kWidth = 16, kRows = 8;  // floats per vector, rows of x per tile
+  static inline T zero() { return _mm512_setzero_ps(); }
+  static inline T load(const float* p) { return _mm512_loadu_ps(p); }
+  static inline T fma(T a, T b, T c) { return _mm512_fmadd_ps(a, b, c); }
+  static inline float sum(T v) { return _mm512_reduce_add_ps(v); }
+};
 #else
-    for (int r = 0; r < R; ++r) acc[r] = 0.f;
+struct FloatVec {
+  using T = __m256;
+  static constexpr int kWidth = 8, kRows = 4;
+  static inline T zero() { return _mm256_setzero_ps(); }
+  static inline T load(const float* p) { return _mm256_loadu_ps(p); }
+  static inline T fma(T a, T b, T c) { return _mm256_fmadd_ps(a, b, c); }
+  static inline float sum(T v) { return hsum8(v); }
+};
 #endif
-    for (; k < K; ++k)
-      for (int r = 0; r < R; ++r) acc[r] += x[r * K + k] * wr[k];
-    for (int r = 0; r < R; ++r) y[r * N + n] = acc[r] + (b ? b[n] : 0.f);
-  }
-}
 
-#ifdef SPECGRAPH_AVX2
-// y[r, n + j] for R rows of x and NB rows of w from row n
+// y[r, n + j] for r < R rows of x and j < NB weight rows from row n; with `prefetch`, the NB rows
+// after these (the next tile) are prefetched, NB cache lines per 16 floats of K: the next tile's
+// span, a little ahead of this one's position
 template <int R, int NB>
 static inline void gemv_tile(const float* x, const float* w, const float* b, float* y, int64_t K, int64_t N,
-                             int64_t n) {
-  constexpr int64_t kAhead = 1024;  // floats prefetched ahead of the weight stream
-  __m256 a[R][NB];
+                             int64_t n, bool prefetch) {
+  constexpr int W = FloatVec::kWidth;
+  constexpr int64_t kAhead = 256;  // floats past the next tile's matching position
+  typename FloatVec::T a[R][NB];
   for (int r = 0; r < R; ++r)
-    for (int j = 0; j < NB; ++j) a[r][j] = _mm256_setzero_ps();
+    for (int j = 0; j < NB; ++j) a[r][j] = FloatVec::zero();
   const float* wr = w + n * K;
+  const float* next = wr + NB * K;
   int64_t k = 0;
-  for (; k + 8 <= K; k += 8) {
-    __m256 wv[NB];
-    for (int j = 0; j < NB; ++j) wv[j] = _mm256_loadu_ps(wr + j * K + k);
-    if ((k & 15) == 0)  // one prefetch per 64-byte line
-      for (int j = 0; j < NB; ++j) _mm_prefetch(reinterpret_cast<const char*>(wr + j * K + k + kAhead), _MM_HINT_T0);
+  for (; k + W <= K; k += W) {
+    typename FloatVec::T wv[NB];
+    for (int j = 0; j < NB; ++j) wv[j] = FloatVec::load(wr + j * K + k);
+    if (prefetch && k % 16 == 0)  // (AVX2: every other step)
+      for (int j = 0; j < NB; ++j)
+        _mm_prefetch(reinterpret_cast<const char*>(next + k * NB + j * 16 + kAhead), _MM_HINT_T0);
     for (int r = 0; r < R; ++r) {
-      const __m256 xv = _mm256_loadu_ps(x + r * K + k);
-      for (int j = 0; j < NB; ++j) a[r][j] = _mm256_fmadd_ps(wv[j], xv, a[r][j]);
+      const auto xv = FloatVec::load(x + r * K + k);
+      for (int j = 0; j < NB; ++j) a[r][j] = FloatVec::fma(wv[j], xv, a[r][j]);
     }
   }
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < NB; ++j) {
-      float acc = hsum8(a[r][j]);
+      float acc = FloatVec::sum(a[r][j]);
       for (int64_t kk = k; kk < K; ++kk) acc += x[r * K + kk] * wr[j * K + kk];
       y[r * N + n + j] = acc + (b ? b[n + j] : 0.f);
     }
 }
 
+// every row of x against NB weight rows from n: kRows rows at a time (the weights from L1 after the first)
 template <int NB>
-static void gemv_tiles(const float* x, const float* w, const float* b, float* y, int64_t M, int64_t K, int64_t N,
-                       int64_t n0, int64_t n1) {
-  for (int64_t n = n0; n < n1; n += NB) {
-    if (n + NB > n1) {  // the range's last rows, one at a time
-      for (int64_t nn = n; nn < n1; ++nn) gemv_tiles<1>(x, w, b, y, M, K, N, nn, nn + 1);
-      return;
-    }
-    int64_t m = 0;
-    for (; m + 4 <= M; m += 4) gemv_tile<4, NB>(x + m * K, w, b, y + m * N, K, N, n);
-    switch (M - m) {
-      case 3: gemv_tile<3, NB>(x + m * K, w, b, y + m * N, K, N, n); break;
-      case 2: gemv_tile<2, NB>(x + m * K, w, b, y + m * N, K, N, n); break;
-      case 1: gemv_tile<1, NB>(x + m * K, w, b, y + m * N, K, N, n); break;
+static inline void gemv_rows(const float* x, const float* w, const float* b, float* y, int64_t M, int64_t K,
+                             int64_t N, int64_t n, bool prefetch) {
+  constexpr int G = FloatVec::kRows;
+  for (int64_t m = 0; m < M; m += G, prefetch = false) {
+    const float* xm = x + m * K;
+    float* ym = y + m * N;
+    switch (std::min<int64_t>(G, M - m)) {
+      case 1: gemv_tile<1, NB>(xm, w, b, ym, K, N, n, prefetch); break;
+      case 2: gemv_tile<2, NB>(xm, w, b, ym, K, N, n, prefetch); break;
+      case 3: gemv_tile<3, NB>(xm, w, b, ym, K, N, n, prefetch); break;
+#ifdef __AVX512F__
+      case 4: gemv_tile<4, NB>(xm, w, b, ym, K, N, n, prefetch); break;
+      case 5: gemv_tile<5, NB>(xm, w, b, ym, K, N, n, prefetch); break;
+      case 6: gemv_tile<6, NB>(xm, w, b, ym, K, N, n, prefetch); break;
+      case 7: gemv_tile<7, NB>(xm, w, b, ym, K, N, n, prefetch); break;
+      default: gemv_tile<8, NB>(xm, w, b, ym, K, N, n, prefetch); break;
+#else
+      default: gemv_tile<4, NB>(xm, w, b, ym, K, N, n, prefetch); break;
+#endif
     }
   }
+}
+
+// output rows [n0, n1): tiles of NB weight rows (4 while a tile of x has up to 4 rows, else 2, so
+// the accumulators fit the registers), the range's last rows one at a time
+template <int NB>
+static void gemv_range(const float* x, const float* w, const float* b, float* y, int64_t M, int64_t K, int64_t N,
+                       int64_t n0, int64_t n1) {
+  int64_t n = n0;
+  for (; n + NB <= n1; n += NB) gemv_rows<NB>(x, w, b, y, M, K, N, n, true);
+  for (; n < n1; ++n) gemv_rows<1>(x, w, b, y, M, K, N, n, false);
+}
+#else
+static void gemv_range(const float* x, const float* w, const float* b, float* y, int64_t M, int64_t K, int64_t N,
+                       int64_t n0, int64_t n1) {
+  for (int64_t n = n0; n < n1; ++n)
+    for (int64_t m = 0; m < M; ++m) y[m * N + n] = dot_f32(x + m * K, w + n * K, K) + (b ? b[n] : 0.f);
 }
 #endif
 
@@ -560,14 +576,11 @@ torch::Tensor gemv(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t n0 = N * t / T, n1 = N * (t + 1) / T;
 #ifdef SPECGRAPH_AVX2
-      if (M > 2) {
-        gemv_tiles<2>(xp, wp, bp, yp, M, K, N, n0, n1);
-        continue;
-      }
+      if (std::min<int64_t>(M, FloatVec::kRows) <= 4) gemv_range<4>(xp, wp, bp, yp, M, K, N, n0, n1);
+      else gemv_range<2>(xp, wp, bp, yp, M, K, N, n0, n1);
+#else
+      gemv_range(xp, wp, bp, yp, M, K, N, n0, n1);
 #endif
-      int64_t m = 0;
-      for (; m + 2 <= M; m += 2) gemv_block<2>(xp + m * K, wp, bp, yp + m * N, K, N, n0, n1);
-      if (m < M) gemv_block<1>(xp + m * K, wp, bp, yp + m * N, K, N, n0, n1);
     }
   });
   return y.view(out_shape);
