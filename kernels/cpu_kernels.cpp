@@ -465,7 +465,7 @@ bool attention_pays(torch::Tensor seq_lens, torch::Tensor query_start_loc) {
 #ifdef __AVX512F__
 struct FloatVec {
   using T = __m512;
-  static constexpr int kWidth = 16, kRows = 8;  // floats per vector, rows of x per tile
+  static constexpr int kWidth = 16, kRows = 8, kRegisters = 32;  // floats per vector, rows of x per tile
   static inline T zero() { return _mm512_setzero_ps(); }
   static inline T load(const float* p) { return _mm512_loadu_ps(p); }
   static inline T fma(T a, T b, T c) { return _mm512_fmadd_ps(a, b, c); }
@@ -474,7 +474,7 @@ struct FloatVec {
 #else
 struct FloatVec {
   using T = __m256;
-  static constexpr int kWidth = 8, kRows = 4;
+  static constexpr int kWidth = 8, kRows = 4, kRegisters = 16;
   static inline T zero() { return _mm256_setzero_ps(); }
   static inline T load(const float* p) { return _mm256_loadu_ps(p); }
   static inline T fma(T a, T b, T c) { return _mm256_fmadd_ps(a, b, c); }
@@ -540,8 +540,8 @@ static inline void gemv_rows(const float* x, const float* w, const float* b, flo
   }
 }
 
-// output rows [n0, n1): tiles of NB weight rows (4 while a tile of x has up to 4 rows, else 2, so
-// the accumulators fit the registers), the range's last rows one at a time
+// output rows [n0, n1): tiles of NB weight rows (4 where R x 4 accumulators, 4 weight vectors and one x
+// vector fit the registers, else 2), the range's last rows one at a time
 template <int NB>
 static void gemv_range(const float* x, const float* w, const float* b, float* y, int64_t M, int64_t K, int64_t N,
                        int64_t n0, int64_t n1) {
@@ -576,7 +576,7 @@ torch::Tensor gemv(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t n0 = N * t / T, n1 = N * (t + 1) / T;
 #ifdef SPECGRAPH_AVX2
-      if (std::min<int64_t>(M, FloatVec::kRows) <= 4) gemv_range<4>(xp, wp, bp, yp, M, K, N, n0, n1);
+      if (std::min<int64_t>(M, FloatVec::kRows) * 4 + 4 + 1 <= FloatVec::kRegisters) gemv_range<4>(xp, wp, bp, yp, M, K, N, n0, n1);
       else gemv_range<2>(xp, wp, bp, yp, M, K, N, n0, n1);
 #else
       gemv_range(xp, wp, bp, yp, M, K, N, n0, n1);
