@@ -17,6 +17,7 @@ from ..compiler.program import AttentionMetadata, DecoderProgram, compile_decode
 from ..compiler.graph_cache import measurement_path
 from .controller import ForwardCost, SpeculationController
 from .drafting import Speculation, is_decode, measure_target_cost, verify_draft
+from .engine_stats import EngineStats
 from ..kernels.hot_cold import demote_blocks, hot_tensors
 from .kv_manager import KVCacheManager
 from .kv_pool import pool_sizes
@@ -167,7 +168,6 @@ class Engine:
         self.eos_ids = _eos_ids(model, tokenizer)
         self.page_size = page_size
         self._next_id = 0
-        self._stats: dict[str, Any] = {}
         if num_draft_tokens < 1:
             raise ValueError(f"num_draft_tokens must be >= 1; got {num_draft_tokens}")
         proposer = None
@@ -199,7 +199,7 @@ class Engine:
         if getattr(self.proposer, "shares_target_cache", True) is False:
             self._all_caches += list(self.proposer.kv_cache)
         self.compile_seconds = time.perf_counter() - t0  # capture, passes, self-check and step graphs
-        self.reset_stats()
+        self._stats = EngineStats(self)
 
     # ------------------------------------------------------------------ public
     def generate(self, prompts, max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
@@ -226,7 +226,7 @@ class Engine:
         while not all(r.finished for r in requests):
             self.step()
         elapsed = time.perf_counter() - t0
-        self._account(elapsed, requests)
+        self._stats.finish_generate(elapsed, requests)
         return [self.result(r) for r in requests]
 
     def submit(self, prompt, max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
@@ -319,67 +319,12 @@ class Engine:
 
     @property
     def stats(self) -> dict[str, Any]:
-        """Figures of the last ``generate`` call, and counters since :meth:`reset_stats`.
-
-        ``kv_pool_usage``: fraction of the pool's blocks held by live requests (evictable cached
-        blocks do not count); ``preemptions``: running requests pushed back to recompute for lack
-        of blocks; ``evictions``: cached blocks handed out again; ``forks`` and ``cow_copies``:
-        samples that shared their prompt's blocks, and shared blocks copied before a write;
-        ``recompiles``: step graphs compiled after the engine was built (0 in steady state);
-        ``host_overhead_fraction``: of the time in steps, the share spent outside the target's forward
-        (scheduling, drafting, metadata, sampling), from ``host_s`` and ``forward_s``.
-        With a draft: ``mean_accepted_tokens`` is the tokens a sequence gained per target forward
-        over all its decode forwards, speculative or not (prefill chunks excluded; ``decode_emitted``
-        / ``decode_forwards``); ``acceptance_rate`` the share of verified drafts kept;
-        ``speculated_fraction`` the share of decode forwards that verified drafts; ``requests``
-        the last ``generate`` call's per-request decisions (decode steps, speculated steps, draft
-        lengths chosen); ``forward_cost_s`` the controller's measured seconds per target forward
-        by stream size; ``mean_accepted_path`` the drafts kept per verify forward (a tree's accepted
-        root path) and ``tree_nodes_verified`` the tree nodes verified; ``draft_s`` the seconds spent
-        drafting (part of ``host_s``).
-        """
-        s = dict(self._stats)
-        s["prefix_cache_hit_rate"] = self.kv.prefix_cache_hit_rate
-        s["kv_pool_usage"] = self.kv.usage
-        s["kv_bytes_per_token"] = self.program.kv_bytes_per_token()
-        s["kv_pool_tokens"] = self.table_width * self.page_size
-        if self.program.hot_cold:
-            s["kv_hot_bytes_per_token"] = self.program.kv_hot_bytes_per_token()
-            s["kv_hot_blocks"], s["kv_cold_blocks"] = self.num_blocks - 1, self.num_cold_blocks
-            s["kv_cold_fraction"] = 1.0 - self.kv.block_pool.num_free_cold_blocks / max(self.num_cold_blocks, 1)
-        busy = s["forward_s"] + s["host_s"]
-        s["host_overhead_fraction"] = s["host_s"] / busy if busy else 0.0
-        for name, value in self._counters().items():
-            s[name] = value - self._counter_base[name]
-        if self.proposer is not None:
-            s["proposer"] = self.proposer.name
-            s["num_draft_tokens"] = self.num_draft_tokens
-            s["adaptive"] = self.adaptive
-            s["acceptance_rate"] = s["accepted_tokens"] / s["draft_tokens"] if s["draft_tokens"] else 0.0
-            s["mean_accepted_tokens"] = s["decode_emitted"] / s["decode_forwards"] if s["decode_forwards"] else 0.0
-            s["speculated_fraction"] = s["verify_steps"] / s["decode_forwards"] if s["decode_forwards"] else 0.0
-            s["mean_accepted_path"] = s["accepted_tokens"] / s["verify_steps"] if s["verify_steps"] else 0.0
-            s["draft_tree"] = None if self.speculation.tree is None else str(self.speculation.tree)
-            s["draft_s"] = self.speculation.draft_s - self._draft_s_base
-            if self.controller is not None:
-                s["forward_cost_s"] = self.controller.forward_cost.as_dict()
-        return s
+        """Figures of the last ``generate`` call, and counters since :meth:`reset_stats` (each one is
+        described in :class:`~specgraph.runtime.engine_stats.EngineStats`)."""
+        return self._stats.snapshot()
 
     def reset_stats(self) -> None:
-        self._stats = dict(tokens_per_second=0.0, generated_tokens=0, prompt_tokens=0, cached_prompt_tokens=0,
-                           target_forwards=0, kv_pool_peak_usage=0.0, time_to_first_token_s=0.0, elapsed_s=0.0,
-                           draft_tokens=0, accepted_tokens=0, verify_steps=0, verify_emitted=0, decode_forwards=0,
-                           tree_nodes_verified=0,
-                           decode_emitted=0, forward_s=0.0, host_s=0.0, requests=[])
-        self._counter_base = self._counters()
-        self._draft_s_base = self.speculation.draft_s if self.speculation is not None else 0.0
-
-    def _counters(self) -> dict[str, int]:
-        drafter = getattr(self.proposer, "program", None)
-        return dict(preemptions=self.scheduler.preemptions, evictions=self.kv.block_pool.num_evictions,
-                    kv_demotions=self.kv.num_demotions,
-                    forks=self.scheduler.forks, cow_copies=self.kv.num_cow_copies,
-                    recompiles=self.program.recompiles + (drafter.recompiles if drafter is not None else 0))
+        self._stats.reset()
 
     # ---------------------------------------------------------------- internals
     def _new_id(self) -> int:
@@ -552,8 +497,7 @@ class Engine:
         if logits.device.type != "cpu":  # sampling and verification decide on the host
             logits = logits.cpu()
         t_back = time.perf_counter()
-        self._stats["target_forwards"] += 1
-        self._stats["kv_pool_peak_usage"] = max(self._stats["kv_pool_peak_usage"], self.kv.usage)
+        self._stats.count_forward(self.kv.usage)
         row = offset = 0  # (the chunk's first logits row, and its first stream token)
         for c, rows, decode, (_, _, fed) in zip(chunks, want, decoding, seqs):
             r = c.request
@@ -598,21 +542,14 @@ class Engine:
                 self.speculation.on_verified(rid, r.num_computed)
         if self.speculation is not None and all(decoding):
             self.speculation.observe_forward(len(ids), t_back - t_forward)
-        self._stats["forward_s"] += t_back - t_forward
-        self._stats["host_s"] += (t_forward - t_start) + (time.perf_counter() - t_back)
+        self._stats.count_time(t_back - t_forward, (t_forward - t_start) + (time.perf_counter() - t_back))
         return finished
 
     def _verify(self, r: Request, draft: Draft, logits: torch.Tensor) -> tuple[list[int], list[int]]:
         """Accepted drafts + one target token (lossless: greedy match or rejection sampling), and the step
         nodes of the accepted drafts (1..a for a chain; a root path for a tree)."""
         tokens, path = verify_draft(draft, logits, r.params, r.generator)
-        s = self._stats
-        if draft.parents is not None:
-            s["tree_nodes_verified"] += len(draft.token_ids)
-        s["draft_tokens"] += len(draft.token_ids)
-        s["accepted_tokens"] += len(tokens) - 1
-        s["verify_steps"] += 1
-        s["verify_emitted"] += len(tokens)
+        self._stats.count_verify(len(draft.token_ids), draft.parents is not None, len(tokens))
         return tokens, path
 
     def _account_decode(self, r: Request, draft: Draft | None, emitted: int, path: list[int]) -> None:
@@ -620,8 +557,7 @@ class Engine:
         drafted = len(draft.token_ids) if draft is not None else 0
         r.decode_steps += 1
         r.draft_lengths[drafted] = r.draft_lengths.get(drafted, 0) + 1
-        self._stats["decode_forwards"] += 1
-        self._stats["decode_emitted"] += emitted
+        self._stats.count_decode(emitted)
         if self.speculation is not None:
             self.speculation.observe_decode(r, draft, path)
 
@@ -648,16 +584,3 @@ class Engine:
         if len(r.output_ids) >= r.max_new_tokens:
             return "length"
         return None
-
-    def _account(self, elapsed: float, requests: list[Request]) -> None:
-        s = self._stats
-        new_tokens = sum(len(r.output_ids) for r in requests)
-        s["elapsed_s"] = elapsed
-        s["generated_tokens"] = new_tokens
-        s["tokens_per_second"] = new_tokens / elapsed if elapsed > 0 else 0.0
-        s["prompt_tokens"] = sum(len(r.prompt_ids) for r in requests)
-        s["cached_prompt_tokens"] = sum(r.cached_tokens for r in requests)
-        ttft = [r.first_token_time for r in requests if r.first_token_time is not None]
-        s["time_to_first_token_s"] = sum(ttft) / len(ttft) if ttft else 0.0
-        if self.proposer is not None:
-            s["requests"] = [r.speculation_summary() for r in requests]
