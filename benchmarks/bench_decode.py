@@ -50,8 +50,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # prompts.py, co
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
-from common import (ModeResult, Run, RssSampler, cpu_description, fmt, format_table, load_average, log,  # noqa: E402
-                    measure_read_bandwidth, median, print_report, quiet_torch, weight_bytes_per_token)
+from common import (ModeResult, Run, RssSampler, cache_kwarg, cpu_description, first_mismatch, fmt,  # noqa: E402
+                    format_table, load_average, log, measure_read_bandwidth, median, print_report, quiet_torch,
+                    weight_bytes_per_token)
 from prompts import PREFIX_QUESTIONS, PROMPTS, SHARED_DOCUMENT, WARMUP_PROMPT  # noqa: E402
 
 ALL_MODES = ("hf-eager", "hf-static-compile", "no-cache", "specgraph", "specgraph-eager", "llama-cpp-f32")
@@ -179,12 +180,6 @@ def _dynamo_graphs() -> int:
         return 0
 
 
-def _cache_kwarg(model) -> str:
-    """Name of the forward's KV-cache argument (``cache`` in recent transformers, else ``past_key_values``)."""
-    params = inspect.signature(model.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
-
-
 # ================================================================== specgraph runners
 def flush_prefix_cache(engine) -> int:
     """Drop every free cached block from the Engine's prefix cache (so the next prefill is cold)."""
@@ -217,13 +212,6 @@ def sg_generate(engine, batch: list[list[int]], new_tokens: int, cold: bool = Tr
 
 
 # ====================================================================== token checks
-def first_mismatch(a: list[int], b: list[int]) -> int | None:
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
-
-
 def compare_tokens(label: str, got: dict[int, list[int]], ref: dict[int, list[int]]) -> dict:
     per = {}
     for i in sorted(got):
@@ -336,7 +324,7 @@ def run_context(args, model, engine, vocab: int) -> dict:
 
     gen = torch.Generator().manual_seed(1234)
     streams = []
-    kw = _cache_kwarg(model)
+    kw = cache_kwarg(model)
     fwd_params = inspect.signature(model.forward).parameters
     for L in args.contexts:
         ctx = torch.randint(100, vocab - 100, (L,), generator=gen)

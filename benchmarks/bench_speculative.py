@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import inspect
 import math
 import os
 import platform
@@ -61,7 +60,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # prompts.py, co
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
-from common import fmt, format_table, load_average, log, median, print_report, quiet_torch  # noqa: E402
+from common import cache_kwarg, first_mismatch, fmt, format_table, load_average, log, median, print_report, quiet_torch  # noqa: E402
 from prompts import HELDOUT_CODE_PROMPTS, HELDOUT_CHAT_PROMPTS, PROMPTS, WARMUP_PROMPT  # noqa: E402
 
 HELDOUT_PROMPTS = [("code", p) for p in HELDOUT_CODE_PROMPTS] + [("chat", p) for p in HELDOUT_CHAT_PROMPTS]
@@ -290,19 +289,7 @@ def draft_costs(cells: list[dict]) -> list[str]:
     return lines
 
 
-def first_mismatch(a: list[int], b: list[int]) -> int | None:
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
-
-
 # ================================================================ verification curve
-def _cache_kwarg(model) -> str:
-    params = inspect.signature(model.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
-
-
 @torch.no_grad()
 def verify_curve(args, model, engine, vocab: int) -> dict:
     """Best-of-reps ms of one target forward over k new tokens at context VERIFY_CONTEXT."""
@@ -326,7 +313,7 @@ def verify_curve(args, model, engine, vocab: int) -> dict:
     metas = {k: AttentionMetadata.build([(table, L, k)], ps, [list(range(k))]) for k in ks}
 
     # HF eager: DynamicCache prefilled once, cropped back to L after every forward
-    kw = _cache_kwarg(model)
+    kw = cache_kwarg(model)
     cache = DynamicCache(config=model.config)
     model(input_ids=ctx.view(1, L), use_cache=True, **{kw: cache})
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 import os
 import statistics
@@ -256,3 +257,18 @@ def cpu_description() -> str:
         pass
     wanted = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_bf16", "amx_int8")
     return f"{model}; {os.cpu_count()} CPUs; flags: {' '.join(f for f in wanted if f in flags) or 'none of ' + '/'.join(wanted)}"
+
+
+def first_mismatch(a: list[int], b: list[int]) -> int | None:
+    """Index of the first token where ``a`` and ``b`` differ (None when they are equal)."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def cache_kwarg(model) -> str:
+    """Name of a Hugging Face forward's KV-cache argument (``cache`` in recent transformers, else
+    ``past_key_values``)."""
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
