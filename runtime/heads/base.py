@@ -9,6 +9,7 @@ vocabulary.
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
 from dataclasses import asdict
 from pathlib import Path
@@ -32,6 +33,9 @@ class DraftHead(nn.Module):
         self.register_buffer("draft_ids", torch.arange(cfg.draft_vocab, dtype=torch.long))
         self.embed: torch.Tensor | None = None  # [vocab, hidden]: the target's, by reference
         self.draft_lm: torch.Tensor | None = None  # [draft_vocab, hidden]: the target's LM head rows of draft_ids
+        self.compute_dtype: torch.dtype | None = None  # the float dtype of its features (its weights' at attach)
+        self.weight_scheme: str | None = None  # how its linears are stored (None: float; see quantize)
+        self._draft_lm_product: nn.Module | None = None
 
     def attach(self, embed: torch.Tensor, lm_head: torch.Tensor) -> "DraftHead":
         """Use the target's token embedding and LM head (``[vocab, hidden]`` each); clear errors on a mismatch."""
@@ -41,13 +45,59 @@ class DraftHead(nn.Module):
                 raise ValueError(f"{self.kind} head for vocabulary {cfg.vocab_size} and hidden size {cfg.hidden}; "
                                  f"the target's {name} is {tuple(w.shape)}: this head was made for another model")
         self.embed = embed.detach() if self.uses_embedding else None
-        weight = next(self.parameters())
-        self.draft_lm = lm_head.detach().index_select(0, self.draft_ids.to(lm_head.device)).to(weight.dtype)
+        self.compute_dtype = next(self.parameters()).dtype
+        self.draft_lm = lm_head.detach().index_select(0, self.draft_ids.to(lm_head.device)).to(self.compute_dtype)
+        return self
+
+    def quantize(self, scheme: str) -> "DraftHead":
+        """Store every linear of the head, and its draft LM head, in ``scheme`` (``int8``, ``int4``, ``fp8`` or
+        ``bfloat16``: ``kernels/quant_linear.py``), computed by ``specgraph::quant_linear``. Drafting streams
+        these weights once per draft step, so int8 reads a quarter of float32's bytes; the drafts may change
+        a little, verification stays exact. Call after :meth:`attach`."""
+        if self.draft_lm is None:
+            raise RuntimeError(f"attach the {self.kind} head to its target before quantizing it")
+        for module in list(self.modules()):
+            for name, child in list(module.named_children()):
+                if isinstance(child, nn.Linear):
+                    setattr(module, name, QuantizedLinear(child.weight, child.bias, scheme))
+        self._draft_lm_product = QuantizedLinear(self.draft_lm, None, scheme)
+        self.weight_scheme = scheme
         return self
 
     def draft_logits(self, g: torch.Tensor) -> torch.Tensor:
         """``[..., draft_vocab]`` logits over the draft vocabulary of features ``g``."""
+        if self._draft_lm_product is not None:
+            return self._draft_lm_product(g)
         return g @ self.draft_lm.T
+
+
+class QuantizedLinear(nn.Module):
+    """``nn.Linear``'s product over a weight stored in a ``specgraph::quant_linear`` scheme (on CPU the C++
+    kernel's native op, straight from the dispatcher; elsewhere the registered op)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, scheme: str):
+        super().__init__()
+        from ...kernels.quant_linear import quantize_weight
+
+        codes, scales = quantize_weight(weight, scheme)
+        self.scheme = scheme
+        self.register_buffer("codes", codes.to(weight.device))
+        self.register_buffer("scales", None if scales is None else scales.to(weight.device))
+        self.register_buffer("bias", None if bias is None else bias.detach().clone())
+        self._op = _quant_linear_op(weight.device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._op(x.contiguous(), self.codes, self.scales, self.bias, self.scheme)
+
+
+def _quant_linear_op(device: torch.device):
+    from ...kernels import cpu_kernels
+
+    native = cpu_kernels.native_op("quant_linear") if device.type == "cpu" else None
+    if native is not None:
+        return native
+    importlib.import_module("specgraph.kernels")  # registers specgraph::quant_linear
+    return torch.ops.specgraph.quant_linear.default
 
 
 # ------------------------------------------------------------------ the target

@@ -34,14 +34,14 @@ class EagleProposer:
 
     def __init__(self, head: EagleHead, kv: KVCacheManager, page_size: int, num_blocks: int, device):
         self.head, self.kv, self.page_size = head, kv, page_size
-        self.kv_cache = [head.new_cache(num_blocks, page_size, device, head.fc.weight.dtype)]
+        self.kv_cache = [head.new_cache(num_blocks, page_size, device, head.compute_dtype)]
         self._fed: dict[int, int] = {}  # slots of each sequence holding true pairs
         self._feats: dict[int, tuple[int, list[torch.Tensor]]] = {}  # (first position, [n_i, hidden] chunks) not fed
 
     # ------------------------------------------------------------ features
     def on_features(self, request_id: int, first: int, feats: torch.Tensor) -> None:
         """The target's features ``f_first .. f_{first+n-1}`` of one sequence (later ones replace earlier)."""
-        feats = feats.to(self.head.fc.weight.dtype).clone()  # (not a view keeping the whole step's states alive)
+        feats = feats.to(self.head.compute_dtype).clone()  # (not a view keeping the whole step's states alive)
         start, chunks = self._feats.get(request_id, (first, []))
         held = sum(len(c) for c in chunks)
         if not start <= first <= start + held:  # a gap (a prefix-cache hit, a recompute): start over

@@ -27,12 +27,10 @@ def shipped_head(target: dict, kind: str) -> Path:
 
 
 def load_target_head(arg: str, ctx: DraftContext, cls: type[DraftHead]) -> DraftHead:
-    """``draft="<kind>"`` (the shipped head) or ``"<kind>:PATH"``: the head, in the target's dtype and device,
-    attached to its embedding and LM head; a head made for another model is refused (other sizes) or warned
-    about (same sizes, other weights)."""
+    """``draft="<kind>"`` (the shipped head) or ``"<kind>:PATH"``: the head, in the target's dtype and device
+    (its linears stored in ``ctx.weight_dtype`` when one is given), attached to its embedding and LM head; a
+    head made for another model is refused (other sizes) or warned about (same sizes, other weights)."""
     kind = cls.kind
-    spec = f"{kind}:{arg}" if arg else kind
-    ctx.refuse_own_weight_dtype(spec, f"a {kind} head has its own weights, distilled in float")
     vocab = ctx.program.vocab_size
     target = target_fingerprint(ctx.model, vocab)
     path = Path(arg).expanduser() if arg else shipped_head(target, kind)
@@ -42,6 +40,8 @@ def load_target_head(arg: str, ctx: DraftContext, cls: type[DraftHead]) -> Draft
     if made_for and made_for != target["lm_head_digest"]:
         warnings.warn(f"{kind} head {path} was distilled from another model with the same sizes: expect low "
                       f"acceptance (outputs stay exact)", RuntimeWarning, stacklevel=4)
+    if ctx.weight_dtype is not None and ctx.weight_dtype != "auto":  # Engine(draft_weight_dtype=...)
+        head.quantize(ctx.weight_dtype)
     return head.eval()
 
 
