@@ -55,15 +55,16 @@ def test_speculative_greedy_equals_plain(smollm2):
 
 
 def test_tree_speculation_greedy_equals_plain(smollm2):
-    """Token trees (static and dynamic, n-gram and layer_skip drafts) at batch 1 and 4 keep plain greedy's tokens;
-    the n-gram engine runs the generated code (tree masks through the native C++ kernel), layer_skip the eager graph."""
+    """Token trees (static and dynamic, n-gram and layer_skip drafts) at batch 1 and 4 keep plain greedy's tokens
+    (the eager lowering: its tokens must equal the generated code's; test_inductor_lowering runs tree masks
+    through the generated code on small models, at a tenth of the compile time)."""
     model, tok, engine, prompts = smollm2
-    plain = engine.generate(prompts[:4], max_new_tokens=40, ignore_eos=True)
-    for draft, tree, lowering in (("ngram", "static:3,2,1", "inductor"), ("layer_skip:6", "dynamic:8", "eager")):
+    plain = engine.generate(prompts[:4], max_new_tokens=32, ignore_eos=True)
+    for draft, tree in (("ngram", "static:3,2,1"), ("layer_skip:6", "dynamic:8")):
         spec = specgraph.Engine(model, tokenizer=tok, page_size=16, draft=draft, draft_tree=tree, adaptive=False,
-                                lowering=lowering)
+                                lowering="eager")
         for batch in (prompts[:1], prompts[:4]):
-            got = spec.generate(batch, max_new_tokens=40, ignore_eos=True)
+            got = spec.generate(batch, max_new_tokens=32, ignore_eos=True)
             assert [r.token_ids for r in got] == [r.token_ids for r in plain[:len(batch)]], (draft, tree, len(batch))
         assert spec.stats["tree_nodes_verified"] > 0 and spec.stats["recompiles"] == 0
 
