@@ -104,7 +104,7 @@ class Engine:
         Outputs do not depend on it: verification is exact whatever length is chosen.
     draft_weight_dtype: the weight storage of a draft ``nn.Module`` (None: the target's
         ``weight_dtype``), e.g. an int4 draft for a float32 target, or of a learned head's linears
-        (None: float; ``"int8"`` reads a quarter of the bytes per draft step); verification stays exact
+        (None: int8 on CPU, a quarter of float's bytes per draft step; ``"auto"``: float); verification stays exact
         for the target whatever the draft's weights. ``layer_skip`` runs on the target's own weights.
     self_check: after compiling, compare the incremental program with the cache-free model on random
         ids and raise ``UnsupportedModelError`` on a mismatch (see ``specgraph.compiler.self_check``).

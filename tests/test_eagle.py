@@ -12,6 +12,8 @@ from specgraph.runtime.heads.base import load_head, target_vocab_weights
 from specgraph.runtime.heads.distill import Recipe, distill, target_head_config
 from specgraph.runtime.heads.eagle import EagleHead
 from specgraph.runtime.heads.training import eagle_losses
+from specgraph.runtime.proposers.learned import default_head_scheme
+from specgraph.kernels import cpu_kernels
 from models import VOCAB as VOCAB_OF, make_family, tiny_llama
 from test_speculative import _exact_marginals, _passes, _peaky
 
@@ -128,10 +130,14 @@ def test_eagle_drafting_is_lossless_greedy(tiny_head, tree):
 
 
 def test_a_quantized_head_drafts_like_the_float_head_and_stays_lossless(tiny_head):
-    """``draft_weight_dtype="int8"`` stores the head's linears and its draft LM head as int8 (a draft step reads a
-    quarter of the bytes): its draft logits stay near the float head's, and greedy output equals plain decoding."""
+    """``draft_weight_dtype="int8"`` (the default on a CPU with the C++ kernels) stores the head's linears and its
+    draft LM head as int8 (a draft step reads a quarter of the bytes): its draft logits stay near the float head's,
+    and greedy output equals plain decoding. ``"auto"`` keeps the head in float."""
     model, out, _ = tiny_head
     prompts, _ = _patterned(VOCAB)
+    assert default_head_scheme(torch.device("cpu")) == ("int8" if cpu_kernels.load() is not None else "auto")
+    assert specgraph.Engine(model, num_blocks=64, page_size=8, draft=f"eagle:{out}",
+                            draft_weight_dtype="auto").proposer.head.weight_scheme is None
     plain = specgraph.Engine(model, num_blocks=64, page_size=8)
     spec = specgraph.Engine(model, num_blocks=64, page_size=8, draft=f"eagle:{out}", draft_weight_dtype="int8",
                             adaptive=False, draft_tree=None)
