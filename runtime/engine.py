@@ -104,8 +104,9 @@ class Engine:
         Outputs do not depend on it: verification is exact whatever length is chosen.
     draft_weight_dtype: the weight storage of a draft ``nn.Module`` (None: the target's
         ``weight_dtype``), e.g. an int4 draft for a float32 target, or of a learned head's linears
-        (None: int8 on CPU, a quarter of float's bytes per draft step; ``"auto"``: float); verification stays exact
-        for the target whatever the draft's weights. ``layer_skip`` runs on the target's own weights.
+        (None: int8 on CPU, a quarter of float's bytes per draft step; ``"auto"``: float);
+        verification stays exact for the target whatever the draft's weights. ``layer_skip`` runs on
+        the target's own weights.
     self_check: after compiling, compare the incremental program with the cache-free model on random
         ids and raise ``UnsupportedModelError`` on a mismatch (see ``specgraph.compiler.self_check``).
     lowering: ``"inductor"`` (generated code, compiled here for every step shape, cached on disk),

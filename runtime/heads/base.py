@@ -72,8 +72,7 @@ class DraftHead(nn.Module):
 
 
 class QuantizedLinear(nn.Module):
-    """``nn.Linear``'s product over a weight stored in a ``specgraph::quant_linear`` scheme (on CPU the C++
-    kernel's native op, straight from the dispatcher; elsewhere the registered op)."""
+    """``nn.Linear``'s product over a weight stored in a ``specgraph::quant_linear`` scheme."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, scheme: str):
         super().__init__()
@@ -91,13 +90,16 @@ class QuantizedLinear(nn.Module):
 
 
 def _quant_linear_op(device: torch.device):
+    """The C++ kernel's native op on CPU (no Python between the call and the kernel), else the kernel
+    registry's direct call (the compiled graphs' two ways to the same op)."""
+    from ...compiler.lowering import direct_call
     from ...kernels import cpu_kernels
 
     native = cpu_kernels.native_op("quant_linear") if device.type == "cpu" else None
     if native is not None:
         return native
-    importlib.import_module("specgraph.kernels")  # registers specgraph::quant_linear
-    return torch.ops.specgraph.quant_linear.default
+    importlib.import_module("specgraph.kernels")  # registers quant_linear's implementations
+    return direct_call("quant_linear")
 
 
 # ------------------------------------------------------------------ the target

@@ -29,7 +29,7 @@ class MedusaProposer:
         self._last: dict[int, tuple[int, torch.Tensor]] = {}  # request -> (position, its feature)
 
     def on_features(self, request_id: int, first: int, feats: torch.Tensor) -> None:
-        self._last[request_id] = (first + len(feats) - 1, feats[-1].to(self.head.draft_lm.dtype).clone())
+        self._last[request_id] = (first + len(feats) - 1, feats[-1].to(self.head.compute_dtype).clone())
 
     def _guesses(self, requests: list[DraftRequest]) -> tuple[list[DraftRequest], list[torch.Tensor]]:
         """The requests whose newest feature is ``f_{n-2}``, and each head's features for them (``[R, hidden]``)."""
