@@ -120,13 +120,13 @@ static inline void weighted_rows(float* out, const float* p, const float* rows, 
   }
 }
 
-// out[g * D + d] = sum_i p[g * p_stride + i] * rows[off[i] + d] for the G heads of a kv head, whose
+// out[g * out_stride + d] = sum_i p[g * p_stride + i] * rows[off[i] + d] for the G heads of a kv head, whose
 // weights p share one key range: with AVX-512 each V row is loaded once for all of them (up to 16
 // accumulators: 16 / (D / 16) heads per pass), not once per head
 #if defined(__AVX512F__)
 template <int C>  // D = 16 * C
-static inline void weighted_rows_heads_avx512(float* out, const float* p, int64_t p_stride, int64_t G,
-                                              const float* rows, const int64_t* off, int64_t n) {
+static inline void weighted_rows_heads_avx512(float* out, int64_t out_stride, const float* p, int64_t p_stride,
+                                              int64_t G, const float* rows, const int64_t* off, int64_t n) {
   constexpr int GB = 16 / C > 0 ? 16 / C : 1;
   for (int64_t g0 = 0; g0 < G; g0 += GB) {
     const int64_t gn = std::min<int64_t>(GB, G - g0);
@@ -145,22 +145,22 @@ static inline void weighted_rows_heads_avx512(float* out, const float* p, int64_
       }
     }
     for (int g = 0; g < GB && g < gn; ++g)
-      for (int c = 0; c < C; ++c) _mm512_storeu_ps(out + (g0 + g) * 16 * C + 16 * c, acc[g][c]);
+      for (int c = 0; c < C; ++c) _mm512_storeu_ps(out + (g0 + g) * out_stride + 16 * c, acc[g][c]);
   }
 }
 #endif
 
-static inline void weighted_rows_heads(float* out, const float* p, int64_t p_stride, int64_t G, const float* rows,
-                                       const int64_t* off, int64_t n, int64_t D) {
+static inline void weighted_rows_heads(float* out, int64_t out_stride, const float* p, int64_t p_stride, int64_t G,
+                                       const float* rows, const int64_t* off, int64_t n, int64_t D) {
 #if defined(__AVX512F__)
   switch (D) {
-    case 32: return weighted_rows_heads_avx512<2>(out, p, p_stride, G, rows, off, n);
-    case 64: return weighted_rows_heads_avx512<4>(out, p, p_stride, G, rows, off, n);
-    case 128: return weighted_rows_heads_avx512<8>(out, p, p_stride, G, rows, off, n);
+    case 32: return weighted_rows_heads_avx512<2>(out, out_stride, p, p_stride, G, rows, off, n);
+    case 64: return weighted_rows_heads_avx512<4>(out, out_stride, p, p_stride, G, rows, off, n);
+    case 128: return weighted_rows_heads_avx512<8>(out, out_stride, p, p_stride, G, rows, off, n);
     default: break;
   }
 #endif
-  for (int64_t g = 0; g < G; ++g) weighted_rows(out + g * D, p + g * p_stride, rows, off, n, D);
+  for (int64_t g = 0; g < G; ++g) weighted_rows(out + g * out_stride, p + g * p_stride, rows, off, n, D);
 }
 
 // k, v [N, KVH, D] contiguous; k_cache, v_cache [num_blocks, P, KVH, D] contiguous, same dtype;
@@ -355,15 +355,32 @@ static torch::Tensor attend_rows(torch::Tensor q, const Rows& rows, int64_t P, i
   float* op = out.data_ptr<float>();
   const float sc = static_cast<float>(scale);
   const float cap = static_cast<float>(softcap), inv_cap = softcap > 0.0 ? static_cast<float>(1.0 / softcap) : 0.f;
-  at::parallel_for(0, S * KVH, 1, [&](int64_t begin, int64_t end) {
+  // Fewer work items than twice the threads (a small batch of decodes: 3 items on 2 threads gave one
+  // thread twice the other's work) split each plain decode's keys into C chunks: a chunk's unit
+  // writes its heads' running max, sum and unnormalized output to `part`, merged after the loop
+  // (flash-decoding). Plain: one token, no window, no tree mask, at least kMinChunkKeys keys a chunk.
+  constexpr int64_t kMinChunkKeys = 64;
+  const int64_t items = S * KVH, threads = at::get_num_threads();
+  const int64_t C = tm || window > 0 || items >= 2 * threads ? 1 : std::min<int64_t>(8, (2 * threads + items - 1) / items);
+  auto split_keys = [&](int64_t s) -> int64_t {  // keys of sequence s if its decode is split, else 0
+    if (C == 1 || qsl[s + 1] - qsl[s] != 1 || qsl[s] < 0 || qsl[s] >= N) return 0;
+    const int64_t keys = std::min<int64_t>(pos[qsl[s]] + 1, lens[s]);
+    return keys >= C * kMinChunkKeys ? keys : 0;
+  };
+  const int64_t part_row = 2 + D;  // (max, sum, output[D]) per (item, chunk, head)
+  std::vector<float> part(C > 1 ? items * C * G * part_row : 0);
+  at::parallel_for(0, items * C, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, kbuf, vbuf, kdist;  // kdist: a tree token's kp - p per key of its range
     std::vector<int64_t> lo, hi, off;
     std::vector<uint8_t> vis;  // a tree token's visible keys in its range
-    for (int64_t item = begin; item < end; ++item) {
+    for (int64_t unit = begin; unit < end; ++unit) {
+      const int64_t item = unit / C, chunk = unit % C;
       const int64_t s = item / KVH, kvh = item % KVH, h0 = kvh * G;  // query heads h0 .. h0 + G - 1
       const int64_t t0 = std::max<int64_t>(qsl[s], 0), t1 = std::min<int64_t>(qsl[s + 1], N);
       const int64_t T = t1 - t0;
-      if (T <= 0) continue;
+      const int64_t split = split_keys(s);
+      if (T <= 0 || (chunk > 0 && split == 0)) continue;
+      float* stats = split ? part.data() + (item * C + chunk) * G * part_row : nullptr;
       lo.assign(T, 0);
       hi.assign(T, 0);
       // the keys the step reads: [k0, k1), the union of the tokens' visible ranges
@@ -374,6 +391,10 @@ static torch::Tensor attend_rows(torch::Tensor q, const Rows& rows, int64_t P, i
         hi[t] = std::max<int64_t>(std::min<int64_t>(tm ? base + t + 1 : p + 1, lens[s]), 0);
         if (window > 0)
           lo[t] = std::min(std::max<int64_t>(tm ? std::min(p - window + 1, base) : p - window + 1, 0), hi[t]);
+        if (split) {  // this unit's chunk of the decode's keys
+          lo[t] = split * chunk / C;
+          hi[t] = split * (chunk + 1) / C;
+        }
         if (lo[t] < hi[t]) {
           k0 = std::min(k0, lo[t]);
           k1 = std::max(k1, hi[t]);
@@ -460,20 +481,45 @@ static torch::Tensor attend_rows(torch::Tensor q, const Rows& rows, int64_t P, i
               sg[i] = expf(sg[i] - mx);  // vectorized (glibc libmvec) under -ffast-math
               sum += sg[i];
             }
+            if (stats) {  // a chunk: its max and sum; the output stays unnormalized
+              stats[g * part_row] = mx;
+              stats[g * part_row + 1] = sum;
+              continue;
+            }
             const float inv = 1.f / sum;
             for (int64_t i = 0; i < n; ++i) sg[i] *= inv;
           }
           // the token's visible keys are one range: each head's output is their V rows weighted
-          weighted_rows_heads(op + ((t0 + t) * H + h0) * D, scores.data() + t * G * nk + (lo[t] - kb), nk, G, vp,
+          float* dest = stats ? stats + 2 : op + ((t0 + t) * H + h0) * D;
+          weighted_rows_heads(dest, stats ? part_row : D, scores.data() + t * G * nk + (lo[t] - kb), nk, G, vp,
                               off.data() + (lo[t] - kb), n, D);
         }
       };
-      if (window > 0)
+      if (window > 0 || split)  // (a chunk's range starts past key 0: the windowed path's bounds)
         attend(std::true_type{});
       else
         attend(std::false_type{});
     }
   });
+  // merge the chunks of split decodes: out = sum_c e^(m_c - M) o_c / sum_c e^(m_c - M) l_c
+  for (int64_t item = 0; C > 1 && item < items; ++item) {
+    const int64_t s = item / KVH, h0 = (item % KVH) * G;
+    if (split_keys(s) == 0) continue;
+    for (int64_t g = 0; g < G; ++g) {
+      const float* first = part.data() + (item * C * G + g) * part_row;  // chunk c at first + c * G * part_row
+      float M = -std::numeric_limits<float>::infinity(), L = 0.f;
+      for (int64_t c = 0; c < C; ++c) M = std::max(M, first[c * G * part_row]);
+      float* o = op + (qsl[s] * H + h0 + g) * D;
+      for (int64_t c = 0; c < C; ++c) {
+        const float* row = first + c * G * part_row;
+        const float w = std::exp(row[0] - M);
+        L += w * row[1];
+        for (int64_t d = 0; d < D; ++d) o[d] += w * row[2 + d];
+      }
+      const float inv = 1.f / L;
+      for (int64_t d = 0; d < D; ++d) o[d] *= inv;
+    }
+  }
   return out;
 }
 

@@ -154,3 +154,26 @@ def test_an_invalid_variant_raises_value_error():
             select("paged_attention", *b.args(), *bad)
         with pytest.raises(ValueError, match=match):
             torch.ops.specgraph_cpu.paged_attention(*b.args(), *bad)
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.data())
+def test_long_decodes_split_over_threads_match_ref(data):
+    """Few long decodes (fewer work items than twice the threads) split their keys into chunks whose
+    partial softmaxes are merged: equal to the reference, with soft cap and ALiBi, beside a short decode
+    that stays whole."""
+    threads = data.draw(st.sampled_from([1, 2, 4]))
+    kv_heads, group = data.draw(st.sampled_from([(1, 3), (1, 8), (3, 3), (2, 4)]))
+    contexts = data.draw(st.lists(st.integers(130, 1100), min_size=1, max_size=2))
+    seqs = [(ctx, 1, 0) for ctx in contexts] + data.draw(st.sampled_from([[], [(20, 1, 0)]]))
+    b = _float32(make_batch(data.draw(st.integers(0, 2**31 - 1)), data.draw(st.sampled_from([8, 16])),
+                            kv_heads=kv_heads, group=group, head_dim=data.draw(st.sampled_from([32, 64, 128])),
+                            dtype=torch.float32, seqs=seqs))
+    variant = data.draw(st.sampled_from([Variant(), Variant(softcap=30.0), Variant(alibi_slopes=_slopes(b.q.shape[1]))]))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = _cpp().paged_attention_short_cpp(*b.args(), *variant.args())
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(out, paged_attention_ref(*b.args(), *variant.args()), **F32)
