@@ -18,6 +18,34 @@ static inline float hsum8(__m256 v) {
 }
 #endif
 
+#ifdef SPECGRAPH_AVX2
+// The vector the float kernels use: AVX-512 where the CPU has it, else AVX2. half(v): its floats
+// summed pairwise into 8 (an __m256), for reductions.
+#ifdef __AVX512F__
+struct FloatVec {
+  using T = __m512;
+  static constexpr int kWidth = 16, kRows = 8, kRegisters = 32;  // floats per vector, rows of x per tile
+  static inline T zero() { return _mm512_setzero_ps(); }
+  static inline T load(const float* p) { return _mm512_loadu_ps(p); }
+  static inline T fma(T a, T b, T c) { return _mm512_fmadd_ps(a, b, c); }
+  static inline float sum(T v) { return _mm512_reduce_add_ps(v); }
+  static inline __m256 half(T v) {
+    return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+  }
+};
+#else
+struct FloatVec {
+  using T = __m256;
+  static constexpr int kWidth = 8, kRows = 4, kRegisters = 16;
+  static inline T zero() { return _mm256_setzero_ps(); }
+  static inline T load(const float* p) { return _mm256_loadu_ps(p); }
+  static inline T fma(T a, T b, T c) { return _mm256_fmadd_ps(a, b, c); }
+  static inline float sum(T v) { return hsum8(v); }
+  static inline __m256 half(T v) { return v; }
+};
+#endif  // __AVX512F__
+#endif  // SPECGRAPH_AVX2
+
 // a . b over D floats (two FMA chains when D is a multiple of 16)
 static inline float dot_f32(const float* a, const float* b, int64_t D) {
 #ifdef SPECGRAPH_AVX2
@@ -39,33 +67,18 @@ static inline float dot_f32(const float* a, const float* b, int64_t D) {
 // s[u] = q . k_u over D floats for four rows at once: the four sums are reduced together (one
 // horizontal reduction per four dots instead of one per dot: it dominated a decode's attention)
 static inline void dot4_f32(const float* q, const float* const k[4], int64_t D, float* s) {
-#if defined(__AVX512F__) && defined(__AVX512DQ__)
-  if (D % 16 == 0) {
-    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
-    for (int64_t d = 0; d < D; d += 16) {
-      const __m512 qv = _mm512_loadu_ps(q + d);
-      a0 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k[0] + d), a0);
-      a1 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k[1] + d), a1);
-      a2 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k[2] + d), a2);
-      a3 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k[3] + d), a3);
-    }
-    auto half = [](__m512 a) { return _mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1)); };
-    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(half(a0), half(a1)), _mm256_hadd_ps(half(a2), half(a3)));
-    _mm_storeu_ps(s, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
-    return;
-  }
-#endif
 #ifdef SPECGRAPH_AVX2
-  if (D % 8 == 0) {
-    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
-    for (int64_t d = 0; d < D; d += 8) {
-      const __m256 qv = _mm256_loadu_ps(q + d);
-      a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[0] + d), a0);
-      a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[1] + d), a1);
-      a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[2] + d), a2);
-      a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[3] + d), a3);
+  using V = FloatVec;
+  if (D % V::kWidth == 0) {
+    typename V::T a0 = V::zero(), a1 = V::zero(), a2 = V::zero(), a3 = V::zero();
+    for (int64_t d = 0; d < D; d += V::kWidth) {
+      const auto qv = V::load(q + d);
+      a0 = V::fma(qv, V::load(k[0] + d), a0);
+      a1 = V::fma(qv, V::load(k[1] + d), a1);
+      a2 = V::fma(qv, V::load(k[2] + d), a2);
+      a3 = V::fma(qv, V::load(k[3] + d), a3);
     }
-    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(V::half(a0), V::half(a1)), _mm256_hadd_ps(V::half(a2), V::half(a3)));
     _mm_storeu_ps(s, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
     return;
   }
@@ -77,7 +90,7 @@ static inline void dot4_f32(const float* q, const float* const k[4], int64_t D, 
 // walking them one by one waits for each from memory in turn. The loops over keys prefetch the row
 // kPrefetchRows keys ahead, so that many rows are in flight: attention over a cache that left the CPU
 // caches (a decode step streams all the weights between two visits of a layer's cache) runs at the
-// memory's streaming rate instead of its latency (ctx 1000, one thread: 4.5x faster).
+// memory's streaming rate instead of its latency (SmolLM2 shapes, context 1000, one thread: 664 -> 318 us).
 constexpr int64_t kPrefetchRows = 8;
 static inline void prefetch_row(const float* row, int64_t D) {
   for (int64_t d = 0; d < D; d += 16) __builtin_prefetch(row + d, 0, 3);
@@ -613,26 +626,6 @@ bool attention_pays(torch::Tensor seq_lens, torch::Tensor query_start_loc) {
 // 2-4 rows 24 ms, close to the 1-row cost (MKL 20-23, this 22-24). Vector width: AVX-512 where
 // the CPU has it, else AVX2 (16 registers: at most 4 rows of x per tile).
 #ifdef SPECGRAPH_AVX2
-#ifdef __AVX512F__
-struct FloatVec {
-  using T = __m512;
-  static constexpr int kWidth = 16, kRows = 8, kRegisters = 32;  // floats per vector, rows of x per tile
-  static inline T zero() { return _mm512_setzero_ps(); }
-  static inline T load(const float* p) { return _mm512_loadu_ps(p); }
-  static inline T fma(T a, T b, T c) { return _mm512_fmadd_ps(a, b, c); }
-  static inline float sum(T v) { return _mm512_reduce_add_ps(v); }
-};
-#else
-struct FloatVec {
-  using T = __m256;
-  static constexpr int kWidth = 8, kRows = 4, kRegisters = 16;
-  static inline T zero() { return _mm256_setzero_ps(); }
-  static inline T load(const float* p) { return _mm256_loadu_ps(p); }
-  static inline T fma(T a, T b, T c) { return _mm256_fmadd_ps(a, b, c); }
-  static inline float sum(T v) { return hsum8(v); }
-};
-#endif
-
 // y[r, n + j] for r < R rows of x and j < NB weight rows from row n; with `prefetch`, the NB rows
 // after these (the next tile) are prefetched, NB cache lines per 16 floats of K: the next tile's
 // span, a little ahead of this one's position
