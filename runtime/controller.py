@@ -17,7 +17,10 @@ With ``a_i`` those conditional rates, k drafts yield ``E(k) = 1 + sum_j prod_{i<
 per sequence. The (k+1)-th draft's gain ``prod_{i<=k+1} a_i`` never grows with k, so handing out
 drafts one at a time to the largest gain gives the most expected tokens for every stream size;
 the controller walks the stream sizes that way and keeps the lengths with the most tokens per
-predicted second (forward + drafting). It decides twice: before drafting (draft cost counts) and
+predicted second (forward + drafting). While requests wait, every token is throughput; when none
+waits the batch drains, and a token counts by the seconds it cuts from finishing the batch
+(:meth:`SpeculationController.worth`): in a closed batch whose sequences all need the same number of
+steps, drafts for one of them make every step dearer and finish nothing sooner. It decides twice: before drafting (draft cost counts) and
 after (drafts are sunk; a draft shorter than asked caps the length). A sequence left at k = 0
 learns nothing from verification, so it keeps learning in one of two ways:
 
@@ -247,14 +250,16 @@ class SpeculationController:
         return rec
 
     def plan(self, request_ids: Sequence[int], caps: Sequence[int], other_tokens: int,
-             drafting_cost: bool = True, floors: Sequence[int] | None = None, probe: bool = True) -> list[int]:
+             drafting_cost: bool = True, floors: Sequence[int] | None = None, probe: bool = True,
+             remaining: Sequence[int] | None = None) -> list[int]:
         """Draft lengths for the decoding sequences ``request_ids`` (each between its floor and cap).
 
         ``other_tokens``: stream tokens in the step besides the decodes' own (prefill chunks).
         ``drafting_cost``: count the proposer's time and re-probe idle sequences (before drafting,
         unless ``probe`` is off: shadow drafts keep the estimates current, and a sequence with no
         observation yet, its own or inherited, waits for one); after drafting the time is spent,
-        and ``floors`` keeps the probes' drafts.
+        and ``floors`` keeps the probes' drafts. ``remaining``: each sequence's tokens left to its limit,
+        given when the batch drains (see :meth:`worth`).
         """
         recs = [self.record(r) for r in request_ids]
         caps = [max(0, min(c, self.max_drafts)) for c in caps]
@@ -264,15 +269,16 @@ class SpeculationController:
         per_position = self.draft_seconds_per_position if drafting_cost else 0.0
         base = other_tokens + len(recs) + sum(ks)
         curves = [rec.acceptance.gains(cap) for rec, cap in zip(recs, caps)]
-        tokens = len(recs) + sum(sum(c[:k]) for c, k in zip(curves, ks))
+        tokens = [1.0 + sum(c[:k]) for c, k in zip(curves, ks)]
+        worth = self.worth(remaining, other_tokens)
         # A sequence's next draft adds prod(rates up to it) tokens, which never grows with its
         # length: taking the largest such gain first gives the most tokens for every stream size.
-        # Walk the stream sizes in that order and keep the best tokens per second seen.
+        # Walk the stream sizes in that order and keep the best worth per second seen.
         best_rate, best = -1.0, list(ks)
         extra = 0
         while True:
             seconds = self.forward_cost(base + extra) + per_position * max(ks, default=0)
-            rate = tokens / seconds if seconds > 0 else float("inf")
+            rate = worth(tokens) / seconds if seconds > 0 else float("inf")
             if rate > best_rate * (1 + 1e-9):
                 best_rate, best = rate, list(ks)
             gains = [(curves[i][k], i) for i, (k, cap) in enumerate(zip(ks, caps)) if k < cap]
@@ -280,7 +286,7 @@ class SpeculationController:
                 break
             gain, i = max(gains)
             ks[i] += 1
-            tokens += gain
+            tokens[i] += gain
             extra += 1
         ks = best
         self.last_rate = best_rate
@@ -307,14 +313,14 @@ class SpeculationController:
         return self.record(request_id).acceptance.expected_tokens(depth)
 
     def tree_pays(self, request_ids: Sequence[int], depths: Sequence[int], nodes: int, other_tokens: int,
-                  chain_rate: float) -> bool:
+                  chain_rate: float, remaining: Sequence[int] | None = None) -> bool:
         """Whether verifying a tree of ``nodes`` drafts (for each sequence, at most ``depths`` deep) for every
-        decoding sequence beats ``chain_rate`` (tokens per second of the chain plan); a tree unused for
-        ``tree_probe_interval`` steps is tried anyway (a probe)."""
-        tokens = sum(self.tree_tokens(r, d) for r, d in zip(request_ids, depths))
+        decoding sequence beats ``chain_rate`` (the chain plan's worth per second, ``remaining`` as given to
+        it); a tree unused for ``tree_probe_interval`` steps is tried anyway (a probe)."""
+        tokens = [self.tree_tokens(r, d) for r, d in zip(request_ids, depths)]
         seconds = self.forward_cost(other_tokens + len(request_ids) * (1 + nodes)) + self.tree_draft_seconds
         self._probing_tree = False
-        if seconds > 0 and tokens / seconds > chain_rate:
+        if seconds > 0 and self.worth(remaining, other_tokens)(tokens) / seconds > chain_rate:
             self.tree_idle_steps = 0
             return True
         self.tree_idle_steps += 1
@@ -323,6 +329,31 @@ class SpeculationController:
             self.tree_idle_steps, self._probing_tree = 0, True
             return True
         return False
+
+    def worth(self, remaining: Sequence[int] | None, other_tokens: int) -> Callable[[Sequence[float]], float]:
+        """What one step's expected tokens per sequence are worth.
+
+        While requests wait (``remaining`` None), every token is throughput: worth its count. When the
+        batch drains (no request waits: the step's sequences are all the work left), a token is worth
+        the seconds it cuts from finishing them. With ``r`` tokens left per sequence and the forward
+        cost ``c`` by stream size, plain decoding finishes in ``T(r) = sum_j (r_(j) - r_(j-1)) *
+        c(n - j + 1)`` over ``r`` sorted ascending (the batch shrinks as sequences end), and a plan's
+        worth is ``T(r) - T(r - tokens)``. Drafts for one of several sequences tied at the longest
+        remaining length then cut almost nothing (the others still need every step), while drafts for
+        the sequence that finishes last cut a whole step per token.
+        """
+        if remaining is None:
+            return sum
+
+        def finish_seconds(left: Sequence[float]) -> float:
+            total, before, rs = 0.0, 0.0, sorted(max(0.0, x) for x in left)
+            for j, x in enumerate(rs):
+                total += (x - before) * self.forward_cost(other_tokens + len(rs) - j)
+                before = x
+            return total
+
+        now = finish_seconds(remaining)
+        return lambda tokens: now - finish_seconds([r - t for r, t in zip(remaining, tokens)])
 
     def _probe_stretch(self, extra_seconds: float, step_seconds: float) -> float:
         """How many times ``probe_interval`` a probe that adds ``extra_seconds`` to a step of ``step_seconds``

@@ -130,8 +130,10 @@ class Speculation:
                 self.controller = SpeculationController(self.num_draft_tokens, cost)
         return self.controller
 
-    def draft(self, chunks: list[ScheduledChunk]) -> dict[int, Draft]:
-        """Drafts for the decoding sequences of ``chunks`` by request id; their extra slots are allocated."""
+    def draft(self, chunks: list[ScheduledChunk], draining: bool = False) -> dict[int, Draft]:
+        """Drafts for the decoding sequences of ``chunks`` by request id; their extra slots are allocated.
+        ``draining``: no request waits, so the controller values tokens by the time they cut from finishing
+        the batch (:meth:`~.controller.SpeculationController.worth`)."""
         decodes = [c.request for c in chunks if is_decode(c)]
         self.tree_ids = set()
         controller = self.ready_controller() if self.adaptive else None
@@ -143,9 +145,11 @@ class Speculation:
         other_tokens = sum(c.num_tokens for c in chunks) - len(decodes)
         ids = [r.request_id for r in decodes]
         shadowing = controller is not None and getattr(self.proposer, "writes_cache", True) is False
-        lengths = controller.plan(ids, caps, other_tokens, probe=not shadowing) if controller is not None else caps
+        remaining = [r.max_new_tokens - len(r.output_ids) for r in decodes] if draining and not other_tokens else None
+        lengths = (controller.plan(ids, caps, other_tokens, probe=not shadowing, remaining=remaining)
+                   if controller is not None else caps)
         if self.tree is not None and ids and controller.tree_pays(ids, caps, self.tree.max_nodes, other_tokens,
-                                                                  controller.last_rate):
+                                                                  controller.last_rate, remaining):
             return self._draft_trees(decodes)
         wanted, shadows = [], []
         for r, k, cap in zip(decodes, lengths, caps):
@@ -170,7 +174,8 @@ class Speculation:
             asked = {w.request_id: w.k for w in wanted}
             got = [len(drafts[i].token_ids[:asked[i]]) if i in asked else 0 for i in ids]
             floors = [min(n, controller.probe_length) if i in controller.probes else 0 for i, n in zip(ids, got)]
-            keep = dict(zip(ids, controller.plan(ids, got, other_tokens, drafting_cost=False, floors=floors)))
+            keep = dict(zip(ids, controller.plan(ids, got, other_tokens, drafting_cost=False, floors=floors,
+                                                 remaining=remaining)))
         else:
             keep = {w.request_id: w.k for w in wanted}
         for w in wanted:

@@ -476,7 +476,8 @@ class Engine:
         finished: list[Request] = []
         decoding = [is_decode(c) for c in chunks]  # before this step's tokens change wants_logits
         self._copy_blocks(copies)
-        drafts = self.speculation.draft(chunks) if self.speculation is not None else {}
+        drafts = (self.speculation.draft(chunks, draining=not self.scheduler.waiting)
+                  if self.speculation is not None else {})
         ids: list[int] = []
         seqs, want, trees = [], [], {}
         for c in chunks:

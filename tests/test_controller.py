@@ -84,6 +84,27 @@ def test_plan_speculates_when_it_pays_and_not_when_it_does_not():
     assert ctl.plan([1], [0], 0) == [0]  # a cap of 0 is kept
 
 
+def test_a_draining_batch_values_tokens_by_the_time_they_cut_from_finishing_it():
+    """With requests waiting, every token counts; when the batch drains, drafts for one of several sequences
+    tied at the longest remaining length cut (almost) nothing, while drafts for the one that finishes last,
+    or for all of them, do."""
+    bucketed = ForwardCost({1: 1.0, 4: 1.3, 5: 1.4, 8: 1.4, 9: 3.0})
+    ctl = SpeculationController(4, bucketed)
+    for i in range(4):
+        ctl.record(i).acceptance = Acceptance.prior(4, 0.5 if i == 0 else 0.0, weight=1e9)
+    ids, caps = [0, 1, 2, 3], [4] * 4
+    assert ctl.plan(ids, caps, 0, drafting_cost=False) == [4, 0, 0, 0]  # throughput: one good draft pays
+    assert ctl.plan(ids, caps, 0, drafting_cost=False, remaining=[64] * 4) == [0] * 4  # tied: it cuts nothing
+    assert ctl.plan(ids, caps, 0, drafting_cost=False, remaining=[64, 10, 10, 10]) == [4, 0, 0, 0]  # the last one
+    for i in range(4):
+        ctl.record(i).acceptance = Acceptance.prior(4, 0.5, weight=1e9)
+    assert sum(ctl.plan(ids, caps, 0, drafting_cost=False, remaining=[64] * 4)) == 4  # all of them advance
+    worth = ctl.worth([64, 10, 10, 10], 0)
+    assert worth([1, 1, 1, 1]) == pytest.approx(bucketed(4))  # a plain step cuts one step of the batch
+    assert worth([2, 1, 1, 1]) == pytest.approx(bucketed(4) + bucketed(1))
+    assert ctl.worth(None, 0)([2, 1, 1, 1]) == 5
+
+
 def test_an_idle_sequence_is_probed_with_backoff_and_its_probe_survives_the_second_plan():
     ctl = SpeculationController(4, ForwardCost({1: 1.0, 2: 2.0, 8: 8.0}), probe_interval=3, probe_length=2,
                                 probe_budget=None)
@@ -202,7 +223,8 @@ def test_greedy_output_does_not_depend_on_the_chosen_lengths(family, draft, monk
     model = make_family(family)
     rng = random.Random(0)
     spec = specgraph.Engine(model, lowering="eager", num_blocks=64, page_size=8, draft=draft, num_draft_tokens=3)
-    monkeypatch.setattr(spec.controller, "plan", lambda ids, caps, other, drafting_cost=True, floors=None, probe=True:
+    monkeypatch.setattr(spec.controller, "plan", lambda ids, caps, other, drafting_cost=True, floors=None, probe=True,
+                        remaining=None:
                         [rng.randint(0, c) for c in caps])
     for prompts in (random_prompts(family, [8]), random_prompts(family, [5, 9, 7], seed=2)):
         want = _reference(model, prompts, 12)
