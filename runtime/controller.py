@@ -30,7 +30,8 @@ learns nothing from verification, so it keeps learning in one of two ways:
   accepted; under sampling a one-hot draft token is accepted with the target's probability of
   it, which is the chance the sampled token equals it. So the estimate stays current for free.
 * **probes** otherwise: after ``probe_interval`` decode steps without drafts the sequence is given
-  ``probe_length`` drafts anyway; each probe that gets nothing accepted doubles the wait. The wait
+  ``probe_length`` drafts anyway; each probe after which drafts still do not pay for the sequence
+  on its own (a hit now and then is not enough when a draft position is dear) doubles the wait. The wait
   is also long enough that probes cost at most ``probe_budget`` of the time: a probe that adds
   ``x`` seconds to a step of ``t`` waits at least ``x / (probe_budget * t)`` steps, so a dear probe
   (a whole tree for a batch of 4) comes rarely and a cheap one often.
@@ -56,6 +57,8 @@ import os
 import tempfile
 import time
 from bisect import bisect_left
+from collections import deque
+from statistics import median
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -63,18 +66,22 @@ from typing import Callable, Sequence
 class ForwardCost:
     """Seconds of one target forward by stream size: measured points, linear in between.
 
-    ``observe`` folds a measured step into its size's estimate (exponential average; a size not in
-    the table joins it), so the table follows the machine's load, the batch and the contexts
-    actually served. One step moves it by at most a factor of 2 (clipped): a pause in one step
-    must not make a size look so dear that it is never chosen, and so never measured again.
+    ``observe`` folds a measured step into its size's estimate (a size not in the table joins it), so
+    the table follows the machine's load, the batch and the contexts actually served. The estimate is
+    the median of the size's last ``window`` observations, its starting value counting as ``anchor``
+    of them: a few slow steps (a pause, a neighbour on the machine) move nothing, and only a majority
+    of recent ones does. An average would let a size seen rarely keep an outlier for good: a size that
+    looks dear is not chosen, and so is not measured again (a drift of 40 ms to 65 ms for 2-token
+    steps was seen with one).
     """
 
-    def __init__(self, seconds_by_size: dict[int, float], smoothing: float = 0.2):
+    def __init__(self, seconds_by_size: dict[int, float], window: int = 9, anchor: int = 3):
         if not seconds_by_size or min(seconds_by_size) < 1:
             raise ValueError(f"forward cost needs measured stream sizes >= 1; got {sorted(seconds_by_size)}")
         self.sizes = sorted(seconds_by_size)
         self.seconds = [float(seconds_by_size[n]) for n in self.sizes]
-        self.smoothing = smoothing
+        self.window, self.anchor = window, anchor
+        self._recent = [deque([s] * anchor, maxlen=window) for s in self.seconds]
 
     def __call__(self, n: int) -> float:
         sizes, secs = self.sizes, self.seconds
@@ -102,8 +109,9 @@ class ForwardCost:
             guess = self(n)
             self.sizes.insert(i, n)
             self.seconds.insert(i, guess)
-        seen = min(max(seconds, 0.5 * self.seconds[i]), 2.0 * self.seconds[i])
-        self.seconds[i] += self.smoothing * (seen - self.seconds[i])
+            self._recent.insert(i, deque([guess] * self.anchor, maxlen=self.window))
+        self._recent[i].append(seconds)
+        self.seconds[i] = median(self._recent[i])
 
     def as_dict(self) -> dict[int, float]:
         return dict(zip(self.sizes, self.seconds))
@@ -395,13 +403,19 @@ class SpeculationController:
         """One decode step of a sequence: ``drafted`` drafts verified, ``accepted`` kept."""
         rec = self.record(request_id)
         if drafted:
-            if rec.idle_steps + 1 >= rec.probe_interval:  # this was a probe: back off unless it paid
-                rec.probe_interval = self.probe_interval if accepted else 2 * rec.probe_interval
-            rec.idle_steps = 0
             rec.acceptance.update(drafted, accepted)
             self.global_acceptance.update(drafted, accepted)
+            if rec.idle_steps + 1 >= rec.probe_interval:  # a probe: back off unless drafts pay again now
+                rec.probe_interval = self.probe_interval if self._drafts_pay(rec.acceptance) else 2 * rec.probe_interval
+            rec.idle_steps = 0
         else:
             rec.idle_steps += 1
+
+    def _drafts_pay(self, acceptance: Acceptance) -> bool:
+        """Whether some draft length beats a plain decode for one sequence on its own (drafting counted)."""
+        plain = 1.0 / self.forward_cost(1)
+        return any(acceptance.expected_tokens(k) / (self.forward_cost(1 + k) + self.draft_seconds_per_position * k)
+                   > plain for k in range(1, self.max_drafts + 1))
 
     def wants_shadow(self, request_id: int) -> bool:
         """Whether to draft for this sequence without verifying (see the module docstring): none is

@@ -17,14 +17,18 @@ from models import make_family, random_prompts
 def test_forward_cost_interpolates_extrapolates_and_follows_observations():
     cost = ForwardCost({1: 1.0, 8: 1.0, 16: 3.0})
     assert cost(4) == 1.0 and cost(12) == 2.0 and cost(20) == 4.0 and cost(1) == 1.0
-    cost.observe(8, 2.0)  # a measured point moves part of the way
-    assert 1.0 < cost(8) < 2.0
-    before = cost(8)
-    cost.observe(8, 100.0)  # one pause moves it as a doubling would
-    assert cost(8) == pytest.approx(before + 0.2 * before)
-    at_12 = cost(12)
-    cost.observe(12, 10.0)  # a size the steps use becomes a point: learned, not only interpolated
-    assert cost.sizes == [1, 8, 12, 16] and cost(12) == pytest.approx(at_12 + 0.2 * at_12)
+    cost.observe(8, 100.0)  # a pause, then another: the measured value still holds the median
+    cost.observe(8, 100.0)
+    assert cost(8) == 1.0
+    for seconds in (2.0, 2.0):  # a majority of recent steps moves it
+        cost.observe(8, seconds)
+    assert cost(8) == 2.0
+    for _ in range(9):  # the window forgets the start and the pauses alike
+        cost.observe(8, 1.5)
+    assert cost(8) == 1.5
+    for _ in range(4):  # a size the steps use becomes a point: learned, not only interpolated
+        cost.observe(12, 10.0)
+    assert cost.sizes == [1, 8, 12, 16] and cost(12) == 10.0
     assert cost(10) == pytest.approx((cost(8) + cost(12)) / 2)  # its neighbours' segments follow it
     with pytest.raises(ValueError, match="stream sizes"):
         ForwardCost({})
@@ -106,7 +110,7 @@ def test_a_draining_batch_values_tokens_by_the_time_they_cut_from_finishing_it()
 
 
 def test_an_idle_sequence_is_probed_with_backoff_and_its_probe_survives_the_second_plan():
-    ctl = SpeculationController(4, ForwardCost({1: 1.0, 2: 2.0, 8: 8.0}), probe_interval=3, probe_length=2,
+    ctl = SpeculationController(4, ForwardCost({1: 1.0, 2: 1.1, 8: 2.0}), probe_interval=3, probe_length=2,
                                 probe_budget=None)
     ctl.record(7).acceptance = Acceptance.prior(4, 0.01)
 
@@ -120,8 +124,22 @@ def test_an_idle_sequence_is_probed_with_backoff_and_its_probe_survives_the_seco
     assert steps(9) == [0, 0, 2, 0, 0, 0, 0, 0, 2]  # a failed probe doubles the wait: 3, then 6
     assert steps(11) == [0] * 11 and ctl.plan([7], [4], 0) == [2] and 7 in ctl.probes
     assert ctl.plan([7], [2], 0, drafting_cost=False, floors=[2]) == [2]  # kept after drafting
-    ctl.observe_decode(7, 2, 1)  # a probe that pays: back to the first interval
-    assert ctl.records[7].probe_interval == 3
+    ctl.observe_decode(7, 2, 1)  # a probe after which drafts pay: back to the first interval
+    assert ctl.records[7].probe_interval == 3 and ctl.plan([7], [4], 0)[0] > 0
+
+
+def test_a_probe_with_a_hit_that_does_not_make_drafts_pay_still_backs_off():
+    """Where a draft position is dear (each token a forward's worth), one accepted draft in a probe does not
+    bring speculation back: the wait doubles as after a miss."""
+    ctl = SpeculationController(4, ForwardCost({1: 1.0, 2: 2.0, 8: 8.0}), probe_interval=3, probe_length=2,
+                                probe_budget=None)
+    ctl.record(7).acceptance = Acceptance.prior(4, 0.01)
+    for _ in range(2):
+        assert ctl.plan([7], [4], 0) == [0]
+        ctl.observe_decode(7, 0, 0)
+    assert ctl.plan([7], [4], 0) == [2]  # the probe
+    ctl.observe_decode(7, 2, 1)
+    assert ctl.records[7].probe_interval == 6 and ctl.plan([7], [4], 0) == [0]
 
 
 
