@@ -29,6 +29,28 @@ CHAT_PROMPTS = [
 
 PROMPTS: list[tuple[str, str]] = [("code", p) for p in CODE_PROMPTS] + [("chat", p) for p in CHAT_PROMPTS]
 
+# More tuning material for the controller replay (benchmarks/replay_controller.py), never a report set.
+REPLAY_CODE_PROMPTS = [
+    "Write a Python class `Matrix` with addition, multiplication and transpose, using lists of lists. "
+    "Include a __repr__.",
+    "Refactor this function to avoid repeated code:\n\ndef area(shape, a, b=None):\n    if shape == 'square':\n"
+    "        return a * a\n    if shape == 'rect':\n        return a * b\n    if shape == 'circle':\n"
+    "        return 3.14159 * a * a\n",
+    "Write a bash script that finds every .log file older than 7 days under /var/log/app and compresses it "
+    "with gzip.",
+    "Write a JavaScript function that debounces another function, with a short example of its use.",
+    "Fix the bug in this Python code and explain it:\n\ndef mean(xs):\n    total = 0\n    for x in xs:\n"
+    "        total += x\n    return total / len(xs) if xs else total / 0\n",
+]
+
+REPLAY_CHAT_PROMPTS = [
+    "What are some good habits for getting better sleep?",
+    "Write a short poem about autumn in a small town.",
+    "Compare cats and dogs as pets for someone who lives in a small apartment.",
+    "How does compound interest work? Give a simple example.",
+    "Give me five ideas for a birthday party for a seven-year-old.",
+]
+
 # The adaptive-speculation benchmark's report set: the controller's constants were never tuned
 # on these (they were set before, and checked on PROMPTS above). Code prompts with code to
 # edit, where the answer copies from the prompt, and code to write from scratch; chat prompts.
