@@ -20,9 +20,10 @@ the controller walks the stream sizes that way and keeps the lengths with the mo
 predicted second (forward + drafting). While requests wait, every token is throughput; when none
 waits the batch drains, and a token counts by the seconds it cuts from finishing the batch
 (:meth:`SpeculationController.worth`): in a closed batch whose sequences all need the same number of
-steps, drafts for one of them make every step dearer and finish nothing sooner. It decides twice: before drafting (draft cost counts) and
-after (drafts are sunk; a draft shorter than asked caps the length). A sequence left at k = 0
-learns nothing from verification, so it keeps learning in one of two ways:
+steps, drafts for one of them make every step dearer and finish nothing sooner. It decides twice:
+before drafting (draft cost counts) and after (drafts are sunk; a draft shorter than asked caps the
+length). A sequence left at k = 0 learns nothing from verification, so it keeps learning in one of
+two ways:
 
 * **shadow drafts**, where drafting is cheap and touches no cache (n-gram lookup): the proposer
   is asked anyway, the draft is not verified, and as the target's tokens arrive the draft is
@@ -31,9 +32,9 @@ learns nothing from verification, so it keeps learning in one of two ways:
   it, which is the chance the sampled token equals it. So the estimate stays current for free.
 * **probes** otherwise: after ``probe_interval`` decode steps without drafts the sequence is given
   ``probe_length`` drafts anyway; each probe after which drafts still do not pay for the sequence
-  on its own (a hit now and then is not enough when a draft position is dear) doubles the wait. The wait
-  is also long enough that probes cost at most ``probe_budget`` of the time: a probe that adds
-  ``x`` seconds to a step of ``t`` waits at least ``x / (probe_budget * t)`` steps, so a dear probe
+  on its own (a hit now and then is not enough when a draft position is dear) doubles the wait.
+  The wait is also long enough that probes cost at most ``probe_budget`` of the time: a probe that
+  adds ``x`` seconds to a step of ``t`` waits at least ``x / (probe_budget * t)`` steps, so a dear probe
   (a whole tree for a batch of 4) comes rarely and a cheap one often.
 
 **Token trees** (``draft_tree`` with ``adaptive``): the tree is the largest shape; the chains its
@@ -58,8 +59,8 @@ import tempfile
 import time
 from bisect import bisect_left
 from collections import deque
-from statistics import median
 from dataclasses import dataclass
+from statistics import median
 from typing import Callable, Sequence
 
 
