@@ -268,7 +268,7 @@ class SpeculationController:
         unless ``probe`` is off: shadow drafts keep the estimates current, and a sequence with no
         observation yet, its own or inherited, waits for one); after drafting the time is spent,
         and ``floors`` keeps the probes' drafts. ``remaining``: each sequence's tokens left to its limit,
-        given when the batch drains (see :meth:`worth`).
+        given when the batch drains (``other_tokens`` is then 0; see :meth:`worth`).
         """
         recs = [self.record(r) for r in request_ids]
         caps = [max(0, min(c, self.max_drafts)) for c in caps]
@@ -279,7 +279,7 @@ class SpeculationController:
         base = other_tokens + len(recs) + sum(ks)
         curves = [rec.acceptance.gains(cap) for rec, cap in zip(recs, caps)]
         tokens = [1.0 + sum(c[:k]) for c, k in zip(curves, ks)]
-        worth = self.worth(remaining, other_tokens)
+        worth = self.worth(remaining)
         # A sequence's next draft adds prod(rates up to it) tokens, which never grows with its
         # length: taking the largest such gain first gives the most tokens for every stream size.
         # Walk the stream sizes in that order and keep the best worth per second seen.
@@ -329,7 +329,7 @@ class SpeculationController:
         tokens = [self.tree_tokens(r, d) for r, d in zip(request_ids, depths)]
         seconds = self.forward_cost(other_tokens + len(request_ids) * (1 + nodes)) + self.tree_draft_seconds
         self._probing_tree = False
-        if seconds > 0 and self.worth(remaining, other_tokens)(tokens) / seconds > chain_rate:
+        if seconds > 0 and self.worth(remaining)(tokens) / seconds > chain_rate:
             self.tree_idle_steps = 0
             return True
         self.tree_idle_steps += 1
@@ -339,12 +339,12 @@ class SpeculationController:
             return True
         return False
 
-    def worth(self, remaining: Sequence[int] | None, other_tokens: int) -> Callable[[Sequence[float]], float]:
+    def worth(self, remaining: Sequence[int] | None) -> Callable[[Sequence[float]], float]:
         """What one step's expected tokens per sequence are worth.
 
         While requests wait (``remaining`` None), every token is throughput: worth its count. When the
-        batch drains (no request waits: the step's sequences are all the work left), a token is worth
-        the seconds it cuts from finishing them. With ``r`` tokens left per sequence and the forward
+        batch drains (no request waits and the step has no prefill: its decodes are all the work left),
+        a token is worth the seconds it cuts from finishing them. With ``r`` tokens left per sequence and the forward
         cost ``c`` by stream size, plain decoding finishes in ``T(r) = sum_j (r_(j) - r_(j-1)) *
         c(n - j + 1)`` over ``r`` sorted ascending (the batch shrinks as sequences end), and a plan's
         worth is ``T(r) - T(r - tokens)``. Drafts for one of several sequences tied at the longest
@@ -357,7 +357,7 @@ class SpeculationController:
         def finish_seconds(left: Sequence[float]) -> float:
             total, before, rs = 0.0, 0.0, sorted(max(0.0, x) for x in left)
             for j, x in enumerate(rs):
-                total += (x - before) * self.forward_cost(other_tokens + len(rs) - j)
+                total += (x - before) * self.forward_cost(len(rs) - j)
                 before = x
             return total
 

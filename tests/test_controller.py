@@ -103,10 +103,10 @@ def test_a_draining_batch_values_tokens_by_the_time_they_cut_from_finishing_it()
     for i in range(4):
         ctl.record(i).acceptance = Acceptance.prior(4, 0.5, weight=1e9)
     assert sum(ctl.plan(ids, caps, 0, drafting_cost=False, remaining=[64] * 4)) == 4  # all of them advance
-    worth = ctl.worth([64, 10, 10, 10], 0)
+    worth = ctl.worth([64, 10, 10, 10])
     assert worth([1, 1, 1, 1]) == pytest.approx(bucketed(4))  # a plain step cuts one step of the batch
     assert worth([2, 1, 1, 1]) == pytest.approx(bucketed(4) + bucketed(1))
-    assert ctl.worth(None, 0)([2, 1, 1, 1]) == 5
+    assert ctl.worth(None)([2, 1, 1, 1]) == 5
 
 
 def test_an_idle_sequence_is_probed_with_backoff_and_its_probe_survives_the_second_plan():
