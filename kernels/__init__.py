@@ -11,10 +11,12 @@ Set ``TRITON_INTERPRET=1`` *before* the first import to run the Triton kernels o
 tensors (tests only; see ``config.py``).
 """
 
-# When the repo root is on sys.path (``python -m pytest`` from the checkout), transformers probes
-# for Hugging Face's own ``kernels`` package with ``import kernels`` and would import this folder
-# a second time under that bare name, registering every specgraph:: op again from copies of these
-# modules. Imported under any name but ``specgraph.kernels``, the package stays inert.
+# When the checkout's root is on sys.path (``python -m pytest`` or ``python -c`` run from it), this
+# folder is importable under the bare name ``kernels`` too, and shadows Hugging Face's ``kernels``
+# package, which transformers >= 5.25 requires and imports. Under that name the package hands over:
+# it loads the installed ``kernels`` from the rest of sys.path and leaves it in sys.modules, which
+# is what the import statement returns. Without one installed it stays inert (registering the
+# specgraph:: ops a second time from copies of these modules would fail).
 if __name__ == "specgraph.kernels":
     from . import ops  # noqa: F401  (registers the specgraph:: ops)
     from . import quant_ops  # noqa: F401  (registers the quantized-cache specgraph:: ops)
@@ -39,3 +41,16 @@ if __name__ == "specgraph.kernels":
         "triton_kernels_forced",
         "use_triton_kernels",
     ]
+elif __name__ == "kernels":
+    import importlib.machinery
+    import importlib.util
+    import os
+    import sys
+
+    _checkout = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
+    _elsewhere = [entry for entry in sys.path if os.path.realpath(entry or os.curdir) != _checkout]
+    _installed = importlib.machinery.PathFinder.find_spec(__name__, _elsewhere)
+    if _installed is not None:
+        _module = importlib.util.module_from_spec(_installed)
+        sys.modules[__name__] = _module
+        _installed.loader.exec_module(_module)
