@@ -9,7 +9,11 @@ prompts (batch 1: one after another; batch 4: one ``generate`` of all 4), ``--ne
 with EOS ignored, so every setting makes the same number of tokens. Each generate call (a unit)
 runs under every setting back to back, the order rotating from unit to unit, for ``--repeats``
 rounds; a class's time sums each unit's fastest run. Settings:
-  - ``none``                 no speculation,
+  - ``none``                 no speculation, on an Engine built without a draft,
+  - ``P off``                proposer P's Engine with every request's drafts capped at 0: the same
+                             engine as P's other rows (step plan, compiled step sizes, cost table
+                             measured at its build), so adaptive's ratio to it isolates its decisions
+                             from the differences between two separately built engines,
   - ``P k=K``                proposer P drafting K tokens every step (``adaptive=False``),
   - ``P tree T``             proposer P verifying its default tree T every step (kinds with one: eagle,
                              medusa; ``adaptive=False``),
@@ -66,9 +70,10 @@ def class_prompts(prompt_set: str) -> dict[str, list[str]]:
     return {"code": cycle(code), "chat": cycle(chat)}
 
 
-def run_unit(engine, adaptive: bool, k: int, tree: str | None, prompts: list[list[int]], temp: float, n: int,
-             seed: int) -> dict:
-    """One ``generate`` call (one prompt at batch 1, all of them at batch 4) under one setting."""
+def run_unit(engine, adaptive: bool, k: int, tree: str | None, cap: int | None, prompts: list[list[int]],
+             temp: float, n: int, seed: int) -> dict:
+    """One ``generate`` call (one prompt at batch 1, all of them at batch 4) under one setting; ``cap``
+    bounds every request's drafts per step (0: none)."""
     if engine.proposer is not None:
         engine.adaptive, engine.num_draft_tokens = adaptive, k
         if engine.default_tree is not None:
@@ -77,7 +82,8 @@ def run_unit(engine, adaptive: bool, k: int, tree: str | None, prompts: list[lis
     engine.reset_stats()
     gc.collect()
     t0 = time.perf_counter()
-    res = engine.generate(prompts, max_new_tokens=n, temperature=temp, seed=seed, ignore_eos=True)
+    res = engine.generate(prompts, max_new_tokens=n, temperature=temp, seed=seed, ignore_eos=True,
+                          num_draft_tokens=cap)
     seconds = time.perf_counter() - t0
     s = engine.stats
     return dict(tokens=sum(len(r.token_ids) for r in res), seconds=seconds, outputs=[r.token_ids for r in res],
@@ -119,15 +125,16 @@ def main(argv=None) -> int:
                                          num_blocks=num_blocks, max_num_seqs=PROMPTS_PER_CLASS,
                                          draft=None if name == "none" else name, num_draft_tokens=kmax)
         build_s[name] = time.perf_counter() - t0
-    settings = [("none", "none", False, 1, None)]
+    settings = [("none", "none", False, 1, None, None)]  # (label, engine, adaptive, k, tree, cap)
     for p in args.proposers:
         tree = engines[p].default_tree  # the kind's default (eagle, medusa), else None: chains only
-        settings += [(f"{p} k={k}", p, False, k, None) for k in args.ks]
-        settings += [(f"{p} tree {tree}", p, False, kmax, tree)] if tree else []
-        settings += [(f"{p} adaptive", p, True, kmax, tree)]
+        settings += [(f"{p} off", p, False, kmax, None, 0)]
+        settings += [(f"{p} k={k}", p, False, k, None, None) for k in args.ks]
+        settings += [(f"{p} tree {tree}", p, False, kmax, tree, None)] if tree else []
+        settings += [(f"{p} adaptive", p, True, kmax, tree, None)]
     warm = [enc(WARMUP_PROMPT)]
-    for label, name, adaptive, k, tree in settings:  # first calls off the clock (never on a timed prompt)
-        run_unit(engines[name], adaptive, k, tree, warm, 0.0, 8, 0)
+    for label, name, adaptive, k, tree, cap in settings:  # first calls off the clock (never on a timed prompt)
+        run_unit(engines[name], adaptive, k, tree, cap, warm, 0.0, 8, 0)
 
     classes = [(g, b, t) for g in groups for b in BATCHES for t in TEMPERATURES]
     best: dict[tuple, dict[str, list[dict]]] = {}  # class -> setting -> each unit's fastest run
@@ -140,8 +147,8 @@ def main(argv=None) -> int:
                 shift = turn % len(settings)
                 order = settings[shift:] + settings[:shift]
                 turn += 1
-                for label, name, adaptive, k, tree in (order if turn % 2 else order[::-1]):
-                    r = run_unit(engines[name], adaptive, k, tree, prompts, t, args.new_tokens, seed=u)
+                for label, name, adaptive, k, tree, cap in (order if turn % 2 else order[::-1]):
+                    r = run_unit(engines[name], adaptive, k, tree, cap, prompts, t, args.new_tokens, seed=u)
                     runs = best.setdefault(c, {}).setdefault(label, [None] * len(units))
                     if runs[u] is None or r["seconds"] < runs[u]["seconds"]:
                         runs[u] = r
@@ -176,13 +183,15 @@ def main(argv=None) -> int:
             best = max(fixed, key=lambda lab: rate(results[c][lab]))
             r = results[c][a]
             summary.append([a, col(c), best, fmt(rate(r) / rate(results[c][best]), ".2f"),
-                            fmt(rate(r) / rate(results[c]["none"]), ".2f"), f"{r['speculated']:.0%}",
+                            fmt(rate(r) / rate(results[c]["none"]), ".2f"),
+                            fmt(rate(r) / rate(results[c][f"{p} off"]), ".2f"), f"{r['speculated']:.0%}",
                             fmt(r["mean_draft"], ".2f"), fmt(r["tokens_per_forward"], ".2f")])
         summary.append([a, "mix", best_mix, fmt(mix(a) / mix(best_mix), ".2f"), fmt(mix(a) / mix("none"), ".2f"),
-                        "", "", ""])
-    lines += ["", "adaptive against the best fixed setting of each class, and against none", "",
-              format_table(["setting", "class", "best fixed", "vs best", "vs none", "speculated", "mean k",
-                            "tok/forward"], summary, right={3, 4, 5, 6, 7})]
+                        fmt(mix(a) / mix(f"{p} off"), ".2f"), "", "", ""])
+    lines += ["", "adaptive against the best fixed setting of each class, against none, and against its own "
+              "engine with drafts off", "",
+              format_table(["setting", "class", "best fixed", "vs best", "vs none", "vs off", "speculated",
+                            "mean k", "tok/forward"], summary, right={3, 4, 5, 6, 7, 8})]
     mismatches = [f"{label} on {col(c)}" for c in classes if c[2] == 0 for label in labels
                   if results[c][label]["outputs"] != results[c]["none"]["outputs"]]
     lines += ["", f"greedy tokens equal to none's: {'all settings, all classes' if not mismatches else 'NO: ' + ', '.join(mismatches)}"]

@@ -206,18 +206,19 @@ class Engine:
     # ------------------------------------------------------------------ public
     def generate(self, prompts, max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
                  top_k: int = 0, seed: int = 0, stop: Sequence[str] | None = None, n: int = 1,
-                 ignore_eos: bool = False, on_token: Callable[[int, int], None] | None = None
-                 ) -> list[GenerationResult]:
+                 ignore_eos: bool = False, on_token: Callable[[int, int], None] | None = None,
+                 num_draft_tokens: int | None = None) -> list[GenerationResult]:
         """Generate for one prompt or a batch (``str``, ``list[str]``, ``list[int]`` or ``list[list[int]]``).
 
         ``n`` samples per prompt: ``results[i * n + j]`` is sample ``j`` of prompt ``i``; the samples
         share the prompt's cache blocks (copy-on-write). ``on_token(result_index, token_id)`` is
         called for every new token as it is produced (streaming). ``ignore_eos`` keeps generating
-        past EOS (benchmarks). Requests submitted earlier with :meth:`submit` progress as well.
+        past EOS (benchmarks). ``num_draft_tokens`` caps these requests' drafts per step, as in
+        :meth:`submit`. Requests submitted earlier with :meth:`submit` progress as well.
         """
         prompt_ids = self._encode_prompts(prompts)
         groups = [self._new_requests(ids, max_new_tokens, temperature, top_p, top_k, seed * 1_000_003 + i * n,
-                                     stop, n, ignore_eos) for i, ids in enumerate(prompt_ids)]
+                                     stop, n, ignore_eos, num_draft_tokens) for i, ids in enumerate(prompt_ids)]
         requests = [r for g in groups for r in g]
         for i, r in enumerate(requests):
             if on_token is not None:
@@ -245,13 +246,12 @@ class Engine:
         A request that can never fit the KV pool is refused here (``ValueError`` with the numbers).
         """
         (ids,) = self._encode_prompts([prompt])
-        requests = self._new_requests(ids, max_new_tokens, temperature, top_p, top_k, seed, stop, n, ignore_eos)
         if logprobs is not None and logprobs < 0:
             raise ValueError(f"logprobs must be >= 0; got {logprobs}")
-        if num_draft_tokens is not None and num_draft_tokens < 0:
-            raise ValueError(f"num_draft_tokens must be >= 0; got {num_draft_tokens}")
+        requests = self._new_requests(ids, max_new_tokens, temperature, top_p, top_k, seed, stop, n, ignore_eos,
+                                      num_draft_tokens)
         for r in requests:
-            r.on_token, r.logprobs, r.num_draft_tokens = on_token, logprobs, num_draft_tokens
+            r.on_token, r.logprobs = on_token, logprobs
             self.scheduler.add(r)
         return requests
 
@@ -334,18 +334,22 @@ class Engine:
         return self._next_id
 
     def _new_requests(self, ids: list[int], max_new_tokens: int, temperature: float, top_p: float, top_k: int,
-                      seed: int, stop: Sequence[str] | None, n: int, ignore_eos: bool) -> list[Request]:
+                      seed: int, stop: Sequence[str] | None, n: int, ignore_eos: bool,
+                      num_draft_tokens: int | None) -> list[Request]:
         """``n`` samples of one prompt; sample ``j`` samples with a generator seeded ``seed + j``."""
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1; got {max_new_tokens}")
         if n < 1:
             raise ValueError(f"n must be >= 1; got {n}")
+        if num_draft_tokens is not None and num_draft_tokens < 0:
+            raise ValueError(f"num_draft_tokens must be >= 0; got {num_draft_tokens}")
         params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)
         requests: list[Request] = []
         for j in range(n):
             gen = None if params.greedy else torch.Generator().manual_seed(seed + j)
             r = Request(self._new_id(), list(ids), max_new_tokens, params, gen, tuple(stop or ()), ignore_eos,
                         parent=requests[0] if requests else None)
+            r.num_draft_tokens = num_draft_tokens
             self.scheduler.check_fits(r)
             requests.append(r)
         return requests

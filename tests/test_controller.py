@@ -264,6 +264,13 @@ def test_adaptive_needs_a_draft_and_fixed_lengths_stay_fixed():
     (r,) = fixed.stats["requests"]
     # every step drafts all it may: 3, then fewer as the last tokens near (wrong drafts: 1 token a step)
     assert r["draft_lengths"] == {0: 1, 1: 1, 2: 1, 3: 6}
+    fixed.reset_stats()  # a generate call whose requests cap drafts at 0 does not speculate
+    assert [r.token_ids for r in fixed.generate(prompts, max_new_tokens=10, ignore_eos=True, num_draft_tokens=0)] \
+        == [want[tuple(prompts[0])]]
+    (r,) = fixed.stats["requests"]
+    assert r["draft_lengths"] == {0: 9} and fixed.stats["verify_steps"] == 0  # (the first token: prefill)
+    with pytest.raises(ValueError, match="num_draft_tokens must be >= 0"):
+        fixed.generate(prompts, max_new_tokens=10, num_draft_tokens=-1)
 
 
 def test_a_tree_is_verified_where_its_paths_pay_and_probed_with_backoff_where_they_do_not():
