@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import cpu_description, fmt, format_table, load_average, log, print_report, quiet_torch  # noqa: E402
+from common import chat_prompt_ids, cpu_description, fmt, format_table, load_average, log, print_report, quiet_torch  # noqa: E402
 from prompts import CHAT_PROMPTS, CODE_PROMPTS, HELDOUT_CHAT_PROMPTS, HELDOUT_CODE_PROMPTS, WARMUP_PROMPT  # noqa: E402
 
 BATCHES = (1, 4)
@@ -111,9 +111,7 @@ def main(argv=None) -> int:
         f"proposers {args.proposers}, k {args.ks}")
     model, tok = specgraph.load_model(args.model)
     model.eval()
-    enc = lambda text: tok(tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False,  # noqa: E731
-                                                   add_generation_prompt=True), add_special_tokens=False)["input_ids"]
-    groups = {g: [enc(t) for t in texts] for g, texts in class_prompts(args.prompt_set).items()}
+    groups = {g: [chat_prompt_ids(tok, t) for t in texts] for g, texts in class_prompts(args.prompt_set).items()}
     longest = max(len(p) for ps in groups.values() for p in ps) + args.new_tokens + max(args.ks) + 1
     num_blocks = PROMPTS_PER_CLASS * (-(-longest // 16)) + 8
     kmax = max(args.ks)
@@ -133,7 +131,7 @@ def main(argv=None) -> int:
         settings += [(f"{p} k={k}", p, False, k, None, None) for k in args.ks]
         settings += [(f"{p} tree {tree}", p, False, kmax, tree, None)] if tree else []
         settings += [(f"{p} adaptive", p, True, kmax, tree, None)]
-    warm = [enc(WARMUP_PROMPT)]
+    warm = [chat_prompt_ids(tok, WARMUP_PROMPT)]
     for label, name, adaptive, k, tree, cap in settings:  # first calls off the clock (never on a timed prompt)
         run_unit(engines[name], adaptive, k, tree, cap, warm, 0.0, 8, 0)
 

@@ -185,6 +185,12 @@ def median(xs):
     return statistics.median(xs) if xs else float("nan")
 
 
+def chat_prompt_ids(tok, text: str) -> list[int]:
+    """Token ids of ``text`` as one user turn under the tokenizer's chat template, ready for the reply."""
+    templated = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
+    return tok(templated, add_special_tokens=False)["input_ids"]
+
+
 # ---------------------------------------------------------------------------- output
 def format_table(headers: list[str], rows: list[list[str]], right: set[int] | None = None) -> str:
     right = right if right is not None else set(range(1, len(headers)))

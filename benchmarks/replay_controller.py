@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import chat_prompt_ids, fmt, format_table  # noqa: E402
 from prompts import CHAT_PROMPTS, CODE_PROMPTS, REPLAY_CHAT_PROMPTS, REPLAY_CODE_PROMPTS  # noqa: E402
 
 
@@ -39,8 +40,7 @@ def record(path: str, new_tokens: int) -> None:
     out = []
     for group, texts in (("code", CODE_PROMPTS + REPLAY_CODE_PROMPTS), ("chat", CHAT_PROMPTS + REPLAY_CHAT_PROMPTS)):
         for text in texts:
-            ids = tok(tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                              add_generation_prompt=True), add_special_tokens=False)["input_ids"]
+            ids = chat_prompt_ids(tok, text)
             for temp in (0.0, 0.8):
                 torch.manual_seed(0)
                 sampling = dict(do_sample=True, temperature=temp, top_k=0, top_p=1.0) if temp else dict(do_sample=False)
@@ -132,8 +132,7 @@ def main(argv=None) -> int:
     buckets = {int(b): float(ms) / 1000 for b, ms in (x.split(":") for x in args.costs.split(","))}
     ks = [int(k) for k in args.ks.split(",")]
     columns = ["none"] + [f"k={k}" for k in ks] + ["adaptive (throughput)", "adaptive"]
-    print(f"# replay: costs {args.costs} ms, noise {args.noise}, pauses {args.pauses}, {args.new_tokens} tokens")
-    print("class".ljust(16) + "".join(c.rjust(23 if "(" in c else 10) for c in columns) + "   vs best fixed   vs none")
+    rows = []
     for group in ("code", "chat"):
         for batch in (1, 4):
             for temp in (0.0, 0.8):
@@ -144,9 +143,10 @@ def main(argv=None) -> int:
                 rates += [replay(recs, batch, k, drain=False, **common) for k in ks]
                 rates += [replay(recs, batch, "adaptive", drain=d, **common) for d in (False, True)]
                 best = max(rates[:-2])
-                print(f"{group} b{batch} t{temp}".ljust(16) + "".join(f"{r:{23 if '(' in c else 10}.2f}"
-                                                                    for r, c in zip(rates, columns))
-                      + f"   {rates[-1] / best:13.3f}   {rates[-1] / rates[0]:7.3f}")
+                rows.append([f"{group} b{batch} t{temp}"] + [fmt(r) for r in rates]
+                            + [fmt(rates[-1] / best, ".3f"), fmt(rates[-1] / rates[0], ".3f")])
+    print(f"# replay: costs {args.costs} ms, noise {args.noise}, pauses {args.pauses}, {args.new_tokens} tokens")
+    print(format_table(["class"] + columns + ["vs best fixed", "vs none"], rows))
     return 0
 
 

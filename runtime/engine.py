@@ -348,8 +348,7 @@ class Engine:
         for j in range(n):
             gen = None if params.greedy else torch.Generator().manual_seed(seed + j)
             r = Request(self._new_id(), list(ids), max_new_tokens, params, gen, tuple(stop or ()), ignore_eos,
-                        parent=requests[0] if requests else None)
-            r.num_draft_tokens = num_draft_tokens
+                        num_draft_tokens=num_draft_tokens, parent=requests[0] if requests else None)
             self.scheduler.check_fits(r)
             requests.append(r)
         return requests
