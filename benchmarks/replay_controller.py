@@ -10,8 +10,10 @@ suppressed) for the tuning prompts plus ``REPLAY_*_PROMPTS`` (never the held-out
 temperature 0.8. ``--replay`` runs each class (code/chat x batch 1/4 x greedy/t0.8) under: no
 speculation, fixed k, and the real :class:`SpeculationController` fed the same plan / shadow /
 observe calls as ``runtime/drafting.py``, with a true cost per stream size (``--costs``: ms at each
-bucket's largest size, steps in between) and the observed costs perturbed by log-normal noise and
-occasional pauses. A draft's accepted prefix is its match with the recorded tokens: exactly what
+bucket's largest size, steps in between). The machine's speed drifts as a shared VM's does: slow
+periods (``--slow``: the share of steps in them, ``--slow-factor`` their cost, ``--period`` their mean
+length in steps) cost every policy real time; the controller's build-time table is measured with
+noise (``--table-noise``), and the costs it observes carry log-normal noise and occasional pauses. A draft's accepted prefix is its match with the recorded tokens: exactly what
 greedy verification keeps, and under sampling a one-hot draft token matches with the target's
 probability of it, as rejection sampling accepts it. Printed: tokens per modelled second.
 """
@@ -60,19 +62,37 @@ def step_cost(buckets: dict[int, float], n: int) -> float:
     return buckets[max(buckets)] * n / max(buckets)
 
 
+class Machine:
+    """A VM's speed over steps: normal, or slow by ``factor`` for periods of ``period`` steps on average,
+    ``share`` of the steps in all (a two-state Markov chain, seeded)."""
+
+    def __init__(self, share: float, factor: float, period: float, seed: int):
+        self.rng, self.factor, self.slow = random.Random(seed), factor, False
+        self.leave = 1.0 / max(period, 1.0)
+        self.enter = self.leave * share / (1.0 - share) if 0 < share < 1 else 0.0
+
+    def step(self) -> float:
+        if self.rng.random() < (self.leave if self.slow else self.enter):
+            self.slow = not self.slow
+        return self.factor if self.slow else 1.0
+
+
 def replay(records: list[dict], batch: int, policy, buckets: dict[int, float], max_drafts: int, new_tokens: int,
-           drain: bool, noise: float, pauses: float, seed: int = 0) -> float:
+           drain: bool, noise: float, pauses: float, slow: float = 0.0, slow_factor: float = 1.0,
+           period: float = 60.0, table_noise: float = 0.0, seed: int = 0) -> float:
     """Tokens per modelled second of one class under ``policy`` ("none", a fixed k, or "adaptive")."""
     from specgraph.runtime.controller import ForwardCost, SpeculationController, cost_sizes
     from specgraph.runtime.proposers.ngram import NgramProposer
 
     rng, ngram = random.Random(seed), NgramProposer()
+    machine = Machine(slow, slow_factor, period, seed + 1)
     seconds = tokens = 0.0
     for start in range(0, len(records), batch):
         ctl = None
-        if policy == "adaptive":  # measured at build (exactly), then learned from noisy steps
+        if policy == "adaptive":  # measured at build (with noise, at that moment's speed), then learned from steps
             sizes = cost_sizes(batch * (1 + max_drafts), sorted(buckets))
-            ctl = SpeculationController(max_drafts, ForwardCost({n: step_cost(buckets, n) for n in sizes}))
+            table = {n: step_cost(buckets, n) * machine.step() * math.exp(rng.gauss(0.0, table_noise)) for n in sizes}
+            ctl = SpeculationController(max_drafts, ForwardCost(table))
         seqs = [{"id": i, "ids": list(r["prompt"]), "truth": r["output"][:new_tokens], "n": 0}
                 for i, r in enumerate(records[start:start + batch])]
         while live := [s for s in seqs if s["n"] < new_tokens]:
@@ -105,7 +125,7 @@ def replay(records: list[dict], batch: int, policy, buckets: dict[int, float], m
                     ctl.observe_decode(s["id"], len(d), accepted)
                     if ctl.has_shadow(s["id"]):
                         ctl.score_shadow(s["id"], s["ids"])
-            cost = step_cost(buckets, stream)
+            cost = step_cost(buckets, stream) * machine.step()
             seconds += cost
             if ctl is not None:
                 seen = cost * math.exp(rng.gauss(0.0, noise)) * (2.5 if rng.random() < pauses else 1.0)
@@ -123,6 +143,12 @@ def main(argv=None) -> int:
     p.add_argument("--ks", default="2,4,6")
     p.add_argument("--noise", type=float, default=0.1, help="log-normal sigma of the observed costs")
     p.add_argument("--pauses", type=float, default=0.05, help="share of observed steps 2.5x slow")
+    p.add_argument("--slow", type=float, default=0.3, help="share of steps in slow periods")
+    p.add_argument("--slow-factor", type=float, default=1.4, help="a slow period's cost, times normal")
+    p.add_argument("--period", type=float, default=60, help="mean length of a slow period, in steps")
+    p.add_argument("--table-noise", type=float, default=0.03,
+                   help="log-normal sigma of the build-time table (best of 3 rounds)")
+    p.add_argument("--seeds", type=int, default=5, help="noise seeds per cell (the rate is their mean)")
     args = p.parse_args(argv)
     if args.record:
         record(args.record, max(args.new_tokens, 128))
@@ -138,14 +164,19 @@ def main(argv=None) -> int:
             for temp in (0.0, 0.8):
                 recs = [r for r in records if r["group"] == group and r["temp"] == temp]
                 common = dict(buckets=buckets, max_drafts=max(ks), new_tokens=args.new_tokens, noise=args.noise,
-                              pauses=args.pauses)
-                rates = [replay(recs, batch, "none", drain=False, **common)]
-                rates += [replay(recs, batch, k, drain=False, **common) for k in ks]
-                rates += [replay(recs, batch, "adaptive", drain=d, **common) for d in (False, True)]
+                              pauses=args.pauses, slow=args.slow, slow_factor=args.slow_factor, period=args.period,
+                              table_noise=args.table_noise)
+
+                def rate(policy, drain=False):
+                    return sum(replay(recs, batch, policy, drain=drain, seed=s, **common)
+                               for s in range(args.seeds)) / args.seeds
+
+                rates = [rate("none")] + [rate(k) for k in ks] + [rate("adaptive", d) for d in (False, True)]
                 best = max(rates[:-2])
                 rows.append([f"{group} b{batch} t{temp}"] + [fmt(r) for r in rates]
                             + [fmt(rates[-1] / best, ".3f"), fmt(rates[-1] / rates[0], ".3f")])
-    print(f"# replay: costs {args.costs} ms, noise {args.noise}, pauses {args.pauses}, {args.new_tokens} tokens")
+    print(f"# replay: costs {args.costs} ms, noise {args.noise}, pauses {args.pauses}, slow {args.slow} "
+          f"x{args.slow_factor} for ~{args.period} steps, table noise {args.table_noise}, {args.new_tokens} tokens, {args.seeds} seeds")
     print(format_table(["class"] + columns + ["vs best fixed", "vs none"], rows))
     return 0
 

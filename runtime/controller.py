@@ -4,9 +4,10 @@ A draft is worth verifying when the tokens it is expected to add pay for the lar
 verifies it. The controller decides that per step, for the whole batch, from three measurements:
 
 * **target cost** (:class:`ForwardCost`): seconds of one target forward by stream size (tokens in
-  the step), measured on this machine when the engine starts and refined by every decode step.
-  It is a step function on a bucketed program (2..8 tokens run the same 8-token graph), so a
-  second draft can be free where the first was not; nothing here assumes a shape for it.
+  the step), its shape measured on this machine when the engine starts, scaled by one speed
+  factor that every decode step refines (the machine's load moves all sizes together). It is a
+  step function on a bucketed program (2..8 tokens run the same 8-token graph), so a second draft
+  can be free where the first was not; nothing here assumes more than that it never falls.
 * **draft cost**: seconds of one propose call per drafted position, measured on every call
   (a draft model's k single-token steps; near zero for n-gram lookup).
 * **acceptance** (:class:`Acceptance`): per sequence and per draft position i, the probability that
@@ -65,64 +66,67 @@ from typing import Callable, Sequence
 
 
 class ForwardCost:
-    """Seconds of one target forward by stream size: measured points, linear in between.
+    """Seconds of one target forward by stream size: a shape measured when the engine starts, times one
+    machine-speed factor that every decode step updates.
 
-    ``observe`` folds a measured step into its size's estimate (a size not in the table joins it), so
-    the table follows the machine's load, the batch and the contexts actually served. The estimate is
-    the median of the size's last ``window`` observations, its starting value counting as ``anchor``
-    of them: a few slow steps (a pause, a neighbour on the machine) move nothing, and only a majority
-    of recent ones does. An average would let a size seen rarely keep an outlier for good: a size that
-    looks dear is not chosen, and so is not measured again (a drift of 40 ms to 65 ms for 2-token
-    steps was seen with one).
+    The shape is the measured table made non-decreasing (a larger stream never costs less: it could
+    always be padded; pool-adjacent-violators averages out what timing noise put out of order), linear
+    between the measured points, which ``cost_sizes`` puts at every bucket edge. ``observe`` folds a
+    step into the factor: the median of the last ``window`` ratios of seconds seen to the shape's
+    seconds, whatever the step's size, the start counting as ``anchor`` ratios of 1. A shared VM's
+    speed drifts by tens of percent for seconds at a time; one factor moves every size together, so
+    two sizes are always compared at the same moment's speed. A per-size estimate, which this
+    replaced, kept each size's value from whenever it was last chosen: a size measured in a slow
+    period looked dear, was not chosen, and so was never measured again (tables like 1: 35, 2: 56,
+    3: 55, 4: 39 ms were seen), and the plan followed the noise. The median keeps a pause or two from
+    moving anything.
     """
 
-    def __init__(self, seconds_by_size: dict[int, float], window: int = 9, anchor: int = 3):
+    def __init__(self, seconds_by_size: dict[int, float], window: int = 15, anchor: int = 3):
         if not seconds_by_size or min(seconds_by_size) < 1:
             raise ValueError(f"forward cost needs measured stream sizes >= 1; got {sorted(seconds_by_size)}")
         self.sizes = sorted(seconds_by_size)
-        self.seconds = [float(seconds_by_size[n]) for n in self.sizes]
-        self.window, self.anchor = window, anchor
-        self._recent = [deque([s] * anchor, maxlen=window) for s in self.seconds]
+        self.shape = non_decreasing([float(seconds_by_size[n]) for n in self.sizes])
+        self.scale = 1.0
+        self._ratios = deque([1.0] * anchor, maxlen=window)
 
     def __call__(self, n: int) -> float:
-        sizes, secs = self.sizes, self.seconds
+        return self.scale * self.shape_seconds(n)
+
+    def shape_seconds(self, n: int) -> float:
+        """The measured shape at ``n`` (interpolated; beyond the table, its last segment's slope)."""
+        sizes, secs = self.sizes, self.shape
         i = bisect_left(sizes, n)
         if i < len(sizes) and sizes[i] == n:
             return secs[i]
         if i == 0:
             return secs[0]
-        if i == len(sizes):  # beyond the table: the last segment's slope (at least flat)
+        if i == len(sizes):
             if len(sizes) == 1:
                 return secs[-1] * n / sizes[-1]
-            slope = max(0.0, (secs[-1] - secs[-2]) / (sizes[-1] - sizes[-2]))
+            slope = (secs[-1] - secs[-2]) / (sizes[-1] - sizes[-2])
             return secs[-1] + slope * (n - sizes[-1])
         lo, hi = sizes[i - 1], sizes[i]
         return secs[i - 1] + (secs[i] - secs[i - 1]) * (n - lo) / (hi - lo)
 
     def observe(self, n: int, seconds: float) -> None:
-        """Fold a step of ``n`` stream tokens that took ``seconds`` into the table. A size between the
-        measured points becomes a point of its own (starting from the interpolation), so the sizes the
-        steps actually use are learned, not only guessed from their neighbours."""
-        if n < 1:
+        """Fold a step of ``n`` stream tokens that took ``seconds`` into the speed factor."""
+        expected = self.shape_seconds(n) if n >= 1 else 0.0
+        if expected <= 0 or seconds <= 0:
             return
-        i = bisect_left(self.sizes, n)
-        if i == len(self.sizes) or self.sizes[i] != n:
-            guess = self(n)
-            self.sizes.insert(i, n)
-            self.seconds.insert(i, guess)
-            self._recent.insert(i, deque([guess] * self.anchor, maxlen=self.window))
-        self._recent[i].append(seconds)
-        self.seconds[i] = median(self._recent[i])
+        self._ratios.append(seconds / expected)
+        self.scale = median(self._ratios)
 
     def as_dict(self) -> dict[int, float]:
-        return dict(zip(self.sizes, self.seconds))
+        """The current estimate at each measured size."""
+        return {n: self.scale * s for n, s in zip(self.sizes, self.shape)}
 
     def save(self, path) -> None:
-        """Write the table as JSON (atomically: a temporary file renamed into place)."""
+        """Write the shape as JSON (atomically: a temporary file renamed into place)."""
         os.makedirs(os.path.dirname(path), exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
         with os.fdopen(fd, "w") as f:
-            json.dump({str(n): s for n, s in self.as_dict().items()}, f)
+            json.dump({str(n): s for n, s in zip(self.sizes, self.shape)}, f)
         os.replace(tmp, path)
 
     @classmethod
@@ -133,6 +137,18 @@ class ForwardCost:
                 return cls({int(n): float(s) for n, s in json.load(f).items()})
         except (OSError, ValueError, TypeError, AttributeError):
             return None
+
+
+def non_decreasing(values: Sequence[float]) -> list[float]:
+    """The closest non-decreasing sequence in least squares (pool adjacent violators)."""
+    pools: list[list[float]] = []  # [sum, count] of each pool, their means increasing
+    for v in values:
+        pools.append([v, 1])
+        while len(pools) > 1 and pools[-2][0] * pools[-1][1] > pools[-1][0] * pools[-2][1]:
+            total, count = pools.pop()
+            pools[-1][0] += total
+            pools[-1][1] += count
+    return [total / count for total, count in pools for _ in range(int(count))]
 
 
 @dataclass
@@ -455,18 +471,19 @@ class SpeculationController:
 
 
 def measure_forward_cost(run: Callable[[int], None], sizes: Sequence[int], repeats: int = 3) -> ForwardCost:
-    """Time ``run(n)`` (one target forward of ``n`` stream tokens) for each size: best of ``repeats``
-    after one warm-up call."""
-    table = {}
+    """Time ``run(n)`` (one target forward of ``n`` stream tokens) for each size: one warm-up call each,
+    then ``repeats`` rounds over all the sizes, keeping each size's best. Rounds, not one size's repeats
+    in a row: a slow spell of the machine then slows a round, not the sizes measured during it, which
+    would bend the shape for good (:class:`ForwardCost` learns only the overall speed)."""
     for n in sizes:
         run(n)
-        best = float("inf")
-        for _ in range(repeats):
+    best = dict.fromkeys(sizes, float("inf"))
+    for _ in range(repeats):
+        for n in sizes:
             t0 = time.perf_counter()
             run(n)
-            best = min(best, time.perf_counter() - t0)
-        table[n] = best
-    return ForwardCost(table)
+            best[n] = min(best[n], time.perf_counter() - t0)
+    return ForwardCost(best)
 
 
 def cost_sizes(max_stream: int, buckets: Sequence[int] = ()) -> list[int]:

@@ -9,7 +9,8 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import specgraph
-from specgraph.runtime.controller import Acceptance, ForwardCost, SpeculationController, cost_sizes
+from specgraph.runtime import controller as controller_module
+from specgraph.runtime.controller import Acceptance, ForwardCost, SpeculationController, cost_sizes, non_decreasing
 from specgraph.runtime.proposers import Draft
 from models import make_family, random_prompts
 
@@ -17,21 +18,41 @@ from models import make_family, random_prompts
 def test_forward_cost_interpolates_extrapolates_and_follows_observations():
     cost = ForwardCost({1: 1.0, 8: 1.0, 16: 3.0})
     assert cost(4) == 1.0 and cost(12) == 2.0 and cost(20) == 4.0 and cost(1) == 1.0
-    cost.observe(8, 100.0)  # a pause, then another: the measured value still holds the median
+    cost.observe(8, 100.0)  # a pause, then another: the measured table still holds (the median)
     cost.observe(8, 100.0)
     assert cost(8) == 1.0
-    for seconds in (2.0, 2.0):  # a majority of recent steps moves it
+    for seconds in (2.0, 2.0):  # a majority of recent steps moves it, and every size with it
         cost.observe(8, seconds)
-    assert cost(8) == 2.0
-    for _ in range(9):  # the window forgets the start and the pauses alike
-        cost.observe(8, 1.5)
-    assert cost(8) == 1.5
-    for _ in range(4):  # a size the steps use becomes a point: learned, not only interpolated
-        cost.observe(12, 10.0)
-    assert cost.sizes == [1, 8, 12, 16] and cost(12) == 10.0
-    assert cost(10) == pytest.approx((cost(8) + cost(12)) / 2)  # its neighbours' segments follow it
+    assert cost(8) == 2.0 and cost(16) == 6.0 and cost(12) == 4.0
+    for _ in range(15):  # the window forgets the start and the pauses alike; any size's steps count
+        cost.observe(12, 3.0)  # 1.5x the shape at 12
+    assert cost(1) == 1.5 and cost(16) == 4.5
+    assert cost.as_dict() == {1: 1.5, 8: 1.5, 16: 4.5}
     with pytest.raises(ValueError, match="stream sizes"):
         ForwardCost({})
+
+
+def test_forward_cost_never_falls_with_the_stream():
+    """Timing noise that put a larger stream below a smaller one is pooled away (least squares)."""
+    cost = ForwardCost({1: 35.0, 2: 56.0, 3: 54.0, 4: 39.0, 8: 60.0})
+    table = cost.as_dict()
+    assert all(table[a] <= table[b] for a, b in zip(sorted(table), sorted(table)[1:]))
+    assert table[2] == table[3] == table[4] == pytest.approx((56 + 54 + 39) / 3) and table[1] == 35.0
+    assert non_decreasing([3.0, 1.0, 2.0, 5.0]) == [2.0, 2.0, 2.0, 5.0]
+
+
+def test_measured_shape_survives_a_slow_spell(monkeypatch):
+    """A slow spell as long as one size's repeats slows a round, not a size: the best of the rounds
+    is the true shape (the factor learns speed, so a bent shape would stay bent)."""
+    clock = {"now": 0.0, "calls": 0}
+
+    def run(n):  # n stream tokens cost n seconds, twice that during calls 6..8
+        clock["calls"] += 1
+        clock["now"] += n * (2.0 if 6 <= clock["calls"] <= 8 else 1.0)
+
+    monkeypatch.setattr(controller_module.time, "perf_counter", lambda: clock["now"])
+    cost = controller_module.measure_forward_cost(run, [1, 2, 3, 4], repeats=3)
+    assert cost.as_dict() == {1: 1.0, 2: 2.0, 3: 3.0, 4: 4.0}
 
 
 def test_cost_sizes_cover_each_bucket_edge():

@@ -37,3 +37,11 @@ def test_plain_decoding_makes_a_token_per_forward_and_repeating_text_rewards_the
     # text that never repeats: no drafts (nothing matches), the same rate as plain decoding
     assert replay(_records(False), batch, "adaptive", drain=True, **common) == pytest.approx(
         replay(_records(False), batch, "none", drain=True, **common))
+
+
+def test_slow_spells_cost_every_policy_real_time():
+    """A slow spell is the machine's, not the observation's: plain decoding pays for it too."""
+    common = dict(buckets=BUCKETS, max_drafts=4, new_tokens=48, noise=0.0, pauses=0.0)
+    calm = replay(_records(True), 1, "none", drain=True, **common)
+    slowed = replay(_records(True), 1, "none", drain=True, slow=0.5, slow_factor=2.0, period=10, **common)
+    assert 0.55 * calm < slowed < 0.9 * calm
