@@ -8,14 +8,16 @@ Wall-clock benchmarks on a shared 2-core VM swing 5-10% between rounds, more tha
 changes move; this isolates the decisions. ``--record`` generates ``--new-tokens`` tokens (EOS
 suppressed) for the tuning prompts plus ``REPLAY_*_PROMPTS`` (never the held-out ones), greedy and at
 temperature 0.8. ``--replay`` runs each class (code/chat x batch 1/4 x greedy/t0.8) under: no
-speculation, fixed k, and the real :class:`SpeculationController` fed the same plan / shadow /
-observe calls as ``runtime/drafting.py``, with a true cost per stream size (``--costs``: ms at each
-bucket's largest size, steps in between). The machine's speed drifts as a shared VM's does: slow
-periods (``--slow``: the share of steps in them, ``--slow-factor`` their cost, ``--period`` their mean
-length in steps) cost every policy real time; the controller's build-time table is measured with
-noise (``--table-noise``), and the costs it observes carry log-normal noise and occasional pauses. A draft's accepted prefix is its match with the recorded tokens: exactly what
-greedy verification keeps, and under sampling a one-hot draft token matches with the target's
-probability of it, as rejection sampling accepts it. Printed: tokens per modelled second.
+speculation, fixed k, and the controller, each through the engine's own drafting code
+(``runtime/drafting.py``'s Speculation with the n-gram proposer). Only the target is modelled: a
+forward costs ``--costs`` (ms at each bucket's largest size, steps in between), and a draft keeps
+its match with the recorded tokens: exactly what greedy verification keeps, and under sampling a
+one-hot draft token matches with the target's probability of it, as rejection sampling accepts it.
+The machine's speed drifts as a shared VM's does: slow periods (``--slow``: the share of steps in
+them, ``--slow-factor`` their cost, ``--period`` their mean length in steps) cost every policy real
+time; the controller's build-time table is measured with noise (``--table-noise``), and the costs
+it observes carry log-normal noise and occasional pauses. Printed: tokens per modelled second, the
+mean over ``--seeds`` noise seeds.
 """
 from __future__ import annotations
 
@@ -80,57 +82,74 @@ class Machine:
 def replay(records: list[dict], batch: int, policy, buckets: dict[int, float], max_drafts: int, new_tokens: int,
            drain: bool, noise: float, pauses: float, slow: float = 0.0, slow_factor: float = 1.0,
            period: float = 60.0, table_noise: float = 0.0, seed: int = 0) -> float:
-    """Tokens per modelled second of one class under ``policy`` ("none", a fixed k, or "adaptive")."""
-    from specgraph.runtime.controller import ForwardCost, SpeculationController, cost_sizes
-    from specgraph.runtime.proposers.ngram import NgramProposer
+    """Tokens per modelled second of one class under ``policy`` ("none", a fixed k, or "adaptive").
 
-    rng, ngram = random.Random(seed), NgramProposer()
-    machine = Machine(slow, slow_factor, period, seed + 1)
+    The engine's own :class:`~specgraph.runtime.drafting.Speculation` drafts (n-gram lookup, cache slots
+    reserved and given back in a real :class:`KVCacheManager`), so the controller sees exactly the calls
+    a generation makes; only the target is replaced: a draft keeps its match with the recorded tokens,
+    and a forward costs its modelled seconds. One Speculation serves the class's batches, its acceptance
+    forgotten before each (as bench_adaptive does), its cost table measured once."""
+    from specgraph.runtime.controller import ForwardCost, cost_sizes
+    from specgraph.runtime.drafting import Speculation
+    from specgraph.runtime.kv_manager import KVCacheManager
+    from specgraph.runtime.proposers.ngram import NgramProposer
+    from specgraph.runtime.sampling import SamplingParams
+    from specgraph.runtime.scheduler import Request, ScheduledChunk
+
+    rng, machine = random.Random(seed), Machine(slow, slow_factor, period, seed + 1)
+    page = 16
+    kv = KVCacheManager(batch * (-(-(max(len(r["prompt"]) for r in records) + new_tokens) // page) + 2), page,
+                        enable_prefix_caching=False)
+
+    def measure():  # at build: the true costs at that moment's speed, with noise
+        sizes = cost_sizes(batch * (1 + max_drafts), sorted(buckets))
+        speed = machine.step()
+        return ForwardCost({n: step_cost(buckets, n) * speed * math.exp(rng.gauss(0.0, table_noise)) for n in sizes})
+
+    spec = None
+    if policy != "none":
+        spec = Speculation(NgramProposer(), max_drafts if policy == "adaptive" else policy, policy == "adaptive",
+                           kv, lambda copies: None, measure)
     seconds = tokens = 0.0
     for start in range(0, len(records), batch):
-        ctl = None
-        if policy == "adaptive":  # measured at build (with noise, at that moment's speed), then learned from steps
-            sizes = cost_sizes(batch * (1 + max_drafts), sorted(buckets))
-            table = {n: step_cost(buckets, n) * machine.step() * math.exp(rng.gauss(0.0, table_noise)) for n in sizes}
-            ctl = SpeculationController(max_drafts, ForwardCost(table))
-        seqs = [{"id": i, "ids": list(r["prompt"]), "truth": r["output"][:new_tokens], "n": 0}
-                for i, r in enumerate(records[start:start + batch])]
-        while live := [s for s in seqs if s["n"] < new_tokens]:
-            caps = [min(max_drafts, new_tokens - s["n"] - 1) for s in live]
-            drafts = {}
-            if policy == "adaptive":  # runtime/drafting.py's calls, in its order
-                ids = [s["id"] for s in live]
-                remaining = [new_tokens - s["n"] for s in live] if drain else None
-                ks = ctl.plan(ids, caps, 0, probe=False, remaining=remaining)
-                for s, k, cap in zip(live, ks, caps):
-                    if k > 0:
-                        drafts[s["id"]] = ngram.lookup(s["ids"], k)
-                    elif cap > 0 and ctl.wants_shadow(s["id"]):
-                        ctl.shadow(s["id"], len(s["ids"]), ngram.lookup(s["ids"], cap))
-                got = [len(drafts.get(i, [])) for i in ids]
-                keep = ctl.plan(ids, got, 0, drafting_cost=False, floors=[0] * len(ids), remaining=remaining)
-                drafts = {i: drafts[i][:k] for i, k in zip(ids, keep) if i in drafts}
-            elif policy != "none":
-                drafts = {s["id"]: ngram.lookup(s["ids"], min(policy, cap)) for s, cap in zip(live, caps)}
+        group = records[start:start + batch]
+        requests = [Request(start + i, list(r["prompt"]), new_tokens, SamplingParams(temperature=r["temp"]))
+                    for i, r in enumerate(group)]
+        truths = {r.request_id: g["output"][:new_tokens] for r, g in zip(requests, group)}
+        if spec is not None and spec.ready_controller() is not None:
+            spec.controller.forget_acceptance()
+        for r in requests:  # prefilled (not modelled): the prompt cached but its last token, fed by step 1
+            kv.add_sequence(r.request_id, [])
+            kv.allocate(r.request_id, len(r.prompt_ids) - 1)
+            r.num_computed = len(r.prompt_ids) - 1
+        while live := [r for r in requests if len(r.output_ids) < new_tokens]:
+            for r in live:  # the last token is fed this step
+                kv.allocate(r.request_id, 1)
+            chunks = [ScheduledChunk(r, len(r.all_ids) - 1, 1) for r in live]
+            drafts = spec.draft(chunks, draining=drain) if spec is not None else {}
             stream = 0
-            for s in live:
-                d, truth = drafts.get(s["id"], []), s["truth"][s["n"]:]
+            for r in live:
+                d = drafts.get(r.request_id)
+                proposed = d.token_ids if d is not None else []
+                truth = truths[r.request_id][len(r.output_ids):]
                 accepted = 0
-                while accepted < min(len(d), len(truth) - 1) and d[accepted] == truth[accepted]:
+                while accepted < min(len(proposed), len(truth) - 1) and proposed[accepted] == truth[accepted]:
                     accepted += 1
-                s["ids"] += truth[:accepted + 1]
-                s["n"] += accepted + 1
-                stream += 1 + len(d)
-                if ctl is not None:
-                    ctl.observe_decode(s["id"], len(d), accepted)
-                    if ctl.has_shadow(s["id"]):
-                        ctl.score_shadow(s["id"], s["ids"])
+                r.output_ids += truth[:accepted + 1]
+                r.num_computed = len(r.all_ids) - 1
+                kv.truncate(r.request_id, r.num_computed)
+                stream += 1 + len(proposed)
+                if spec is not None:
+                    spec.observe_decode(r, d, list(range(1, accepted + 1)))
+                    if len(r.output_ids) >= new_tokens:
+                        spec.forget(r)
+                if len(r.output_ids) >= new_tokens:
+                    kv.free(r.request_id)
             cost = step_cost(buckets, stream) * machine.step()
             seconds += cost
-            if ctl is not None:
-                seen = cost * math.exp(rng.gauss(0.0, noise)) * (2.5 if rng.random() < pauses else 1.0)
-                ctl.observe_forward(stream, seen)
-        tokens += sum(s["n"] for s in seqs)
+            if spec is not None:
+                spec.observe_forward(stream, cost * math.exp(rng.gauss(0.0, noise)) * (2.5 if rng.random() < pauses else 1.0))
+        tokens += sum(len(r.output_ids) for r in requests)
     return tokens / seconds
 
 
