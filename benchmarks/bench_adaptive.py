@@ -199,7 +199,7 @@ def main(argv=None) -> int:
         lines.append(f"{p}: controller's forward cost (ms by stream size): "
                      + ", ".join(f"{n}: {s * 1e3:.1f}" for n, s in cost.items())
                      + f"; draft {engines[p].controller.draft_seconds_per_position * 1e3:.2f} ms per position")
-    lines.append(f"engine build s: " + ", ".join(f"{k} {v:.0f}" for k, v in build_s.items()))
+    lines.append("engine build s: " + ", ".join(f"{k} {v:.0f}" for k, v in build_s.items()))
     report = dict(config=vars(args), cpu=cpu_description(), classes=[col(c) for c in classes],
                   results={col(c): {lab: {k: v for k, v in r.items() if k != "outputs"} for lab, r in results[c].items()}
                            for c in classes}, greedy_mismatches=mismatches)

@@ -50,9 +50,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # prompts.py, co
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
-from common import (ModeResult, Run, RssSampler, cache_kwarg, cpu_description, first_mismatch, fmt,  # noqa: E402
-                    format_table, load_average, log, measure_read_bandwidth, median, print_report, quiet_torch,
-                    weight_bytes_per_token)
+from common import (ModeResult, Run, RssSampler, cache_kwarg, chat_prompt_ids, cpu_description,  # noqa: E402
+                    first_mismatch, fmt, format_table, load_average, log, measure_read_bandwidth, median,
+                    print_report, quiet_torch, weight_bytes_per_token)
 from prompts import PREFIX_QUESTIONS, PROMPTS, SHARED_DOCUMENT, WARMUP_PROMPT  # noqa: E402
 
 ALL_MODES = ("hf-eager", "hf-static-compile", "no-cache", "specgraph", "specgraph-eager", "llama-cpp-f32")
@@ -449,11 +449,8 @@ def main(argv=None) -> int:
     model.eval()
     vocab = model.config.vocab_size
     weights = weight_bytes_per_token(model)
-    chat = lambda text: tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False,  # noqa: E731
-                                                add_generation_prompt=True)
-    enc = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
-    prompt_ids = [enc(chat(text)) for _, text in args.prompts]
-    warm_ids = enc(chat(WARMUP_PROMPT))
+    prompt_ids = [chat_prompt_ids(tok, text) for _, text in args.prompts]
+    warm_ids = chat_prompt_ids(tok, WARMUP_PROMPT)
 
     engines = {}
     for mode, lowering in SPECGRAPH_MODES.items():

@@ -20,7 +20,7 @@ from statistics import mean
 sys.path.insert(0, os.path.dirname(__file__))
 
 import specgraph  # noqa: E402
-from common import cpu_description, format_table, quiet_torch  # noqa: E402
+from common import chat_prompt_ids, cpu_description, format_table, quiet_torch  # noqa: E402
 from prompts import HELDOUT_CHAT_PROMPTS, HELDOUT_CODE_PROMPTS  # noqa: E402
 
 
@@ -43,11 +43,8 @@ def main(argv=None) -> int:
         head = copy.deepcopy(spec.proposer.head)
         heads[dtype] = head if dtype == "auto" else head.quantize(dtype)
 
-    def chat(p: str) -> str:
-        return tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
-
-    classes = {"code": [chat(p) for p in HELDOUT_CODE_PROMPTS[:args.prompts]],
-               "chat": [chat(p) for p in HELDOUT_CHAT_PROMPTS[:args.prompts]]}
+    classes = {"code": [chat_prompt_ids(tok, p) for p in HELDOUT_CODE_PROMPTS[:args.prompts]],
+               "chat": [chat_prompt_ids(tok, p) for p in HELDOUT_CHAT_PROMPTS[:args.prompts]]}
     for engine in (spec, plain):  # warm-up
         engine.generate(classes["code"][0], max_new_tokens=8)
     rows, identical = [], True

@@ -32,7 +32,7 @@ import specgraph
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from common import cpu_description  # noqa: E402
+from common import chat_prompt_ids, cpu_description  # noqa: E402
 from prompts import PROMPTS  # noqa: E402
 
 SETTINGS = ("float32", "bfloat16", "fp8:0", "int4:0", "fp8", "int4", "adaptive")
@@ -86,8 +86,7 @@ def main() -> None:
     for name in names:
         ids = tok(load_text(name), add_special_tokens=False)["input_ids"]
         texts[name] = ids[: args.max_tokens] if args.max_tokens else ids
-    prompts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
-               for _, p in PROMPTS]
+    prompts = [chat_prompt_ids(tok, p) for _, p in PROMPTS]
     budget = 256 << 20
     print(f"texts: {', '.join(f'{n} ({len(i)} tokens)' for n, i in texts.items())}; chunk {args.chunk}; greedy: "
           f"{len(prompts)} prompts x {args.new_tokens} tokens; threads {torch.get_num_threads()}; KV budget "

@@ -60,7 +60,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # prompts.py, co
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
-from common import cache_kwarg, first_mismatch, fmt, format_table, load_average, log, median, print_report, quiet_torch  # noqa: E402
+from common import cache_kwarg, chat_prompt_ids, first_mismatch, fmt, format_table, load_average, log, median, print_report, quiet_torch  # noqa: E402
 from prompts import HELDOUT_CODE_PROMPTS, HELDOUT_CHAT_PROMPTS, PROMPTS, WARMUP_PROMPT  # noqa: E402
 
 HELDOUT_PROMPTS = [("code", p) for p in HELDOUT_CODE_PROMPTS] + [("chat", p) for p in HELDOUT_CHAT_PROMPTS]
@@ -396,12 +396,9 @@ def main(argv=None) -> int:
         raise SystemExit(f"--layer-skip {args.layer_skip} must be < the model's {num_layers} layers")
     vocab = model.config.vocab_size
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
-    chat = lambda text: tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False,  # noqa: E731
-                                                add_generation_prompt=True)
-    enc = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
-    prompt_ids = [enc(chat(text)) for _, text in args.prompts]
+    prompt_ids = [chat_prompt_ids(tok, text) for _, text in args.prompts]
     groups = [g for g, _ in args.prompts]
-    warm_ids = enc(chat(WARMUP_PROMPT))
+    warm_ids = chat_prompt_ids(tok, WARMUP_PROMPT)
     pld = PldCounter()
 
     # -------------------------------------------------------- calibration + estimate

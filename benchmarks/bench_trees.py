@@ -32,7 +32,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # prompts.py, common.py
 
 
-from common import cpu_description, fmt, format_table, log, print_report, quiet_torch  # noqa: E402
+from common import chat_prompt_ids, cpu_description, fmt, format_table, log, print_report, quiet_torch  # noqa: E402
 from prompts import HELDOUT_CHAT_PROMPTS, HELDOUT_CODE_PROMPTS, PROMPTS, WARMUP_PROMPT  # noqa: E402
 
 SHAPES = ("chain 4", "chain 8", "static:2,1,1,1", "static:3,2,1", "dynamic:8")
@@ -65,12 +65,7 @@ def prompt_set(tok, quick: bool, which: str = "both") -> list[tuple[str, list[in
         ("heldout-code", p) for p in HELDOUT_CODE_PROMPTS] + [("heldout-chat", p) for p in HELDOUT_CHAT_PROMPTS])
     if quick:
         named = [named[0], named[-1]]
-    return [(group, chat_ids(tok, text)) for group, text in named]
-
-
-def chat_ids(tok, text: str) -> list[int]:
-    chat = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
-    return tok(chat, add_special_tokens=False).input_ids
+    return [(group, chat_prompt_ids(tok, text)) for group, text in named]
 
 
 def run(engine, ids: list[int], n: int, temp: float) -> dict:
@@ -109,7 +104,7 @@ def main(argv=None) -> int:
     for draft in args.drafts:
         log(f"building the {draft} engine (room for {largest}, the shape that writes the most nodes)")
         engines[draft] = specgraph.Engine(model, tokenizer=tok, draft=draft, draft_tree=largest, adaptive=False)
-    warm = chat_ids(tok, WARMUP_PROMPT)
+    warm = chat_prompt_ids(tok, WARMUP_PROMPT)
     rows = [("none", "-")] + [(d, s) for d in engines if d != "none" for s in args.shapes]
     for draft, shape in rows:
         if draft != "none":

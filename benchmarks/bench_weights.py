@@ -32,7 +32,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from bench_decode import sg_generate  # noqa: E402
-from common import ModeResult, cpu_description, fmt, format_table, log, median, quiet_torch  # noqa: E402
+from common import ModeResult, chat_prompt_ids, cpu_description, fmt, format_table, log, median, quiet_torch  # noqa: E402
 from prompts import PROMPTS, WARMUP_PROMPT  # noqa: E402
 
 WEIGHT_DTYPES = ("auto", "int8", "int4", "fp8", "bfloat16")
@@ -86,9 +86,7 @@ def main(argv=None) -> int:
     log(cpu_description())
     log(f"threads {torch.get_num_threads()}")
     model, tok = specgraph.load_model("smollm2-135m-instruct")
-    chat = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
-            for _, p in PROMPTS]
-    prompt_ids = [tok(c, add_special_tokens=False)["input_ids"] for c in chat]
+    prompt_ids = [chat_prompt_ids(tok, p) for _, p in PROMPTS]
     warm = tok(WARMUP_PROMPT, add_special_tokens=False)["input_ids"]
     eval_ids = texts(tok, args.ppl_tokens)
     configs = [(w, "auto") for w in args.weight_dtypes] + [(w, "fp8") for w in args.fp8_kv]
