@@ -144,6 +144,11 @@ class StepPlan:
 
 PAD_SEARCH_TOKENS = 16  # StepGraphs.measure_padding times dynamic steps up to this many tokens
 WIDE_BUCKETS = (4, 8)  # the multi-token static graphs choose_buckets considers (row counts it times)
+#: a wide graph is compiled as a candidate when its linears cost at most this times oneDNN's: the
+#: linears are not the whole step (a static graph of 4 tokens ran 15-20% faster than the dynamic
+#: graph on an AVX-512 EPYC whose few-row GEMMs timed 16% slower), so StepGraphs.keep_faster_buckets
+#: times whole steps and keeps it only where it wins.
+WIDE_CANDIDATE_SLACK = 1.25
 
 
 def choose_buckets(gm: fx.GraphModule, device: torch.device) -> StepPlan:
@@ -159,8 +164,10 @@ def choose_buckets(gm: fx.GraphModule, device: torch.device) -> StepPlan:
     once picked a library 1.35x slower on the real step) and compiles a static graph for 1-token
     steps only when MKL or the C++ kernel beats oneDNN at 2 rows (the dynamic graph pads a decode
     to 2 rows; a memory-bound GEMV costs about the same for 1 and 2). Beside it, each of 4 and 8
-    rows where MKL or the C++ kernel beats oneDNN gets a static graph for steps up
-    to that many tokens, with the faster of the two: batched decodes and verifies. Each bucket
+    rows where MKL or the C++ kernel comes within :data:`WIDE_CANDIDATE_SLACK` of oneDNN gets a
+    static graph for steps up to that many tokens, with the faster of the two: batched decodes and
+    verifies; once compiled, :meth:`StepGraphs.keep_faster_buckets` keeps it only if a whole step
+    beats the dynamic graph's. Each bucket
     picks its own linears (on an AVX-512 Xeon MKL won 1 row and the C++ kernel 4 and 8, by 16%
     over oneDNN). A verify of k drafts costs a ``k + 1``-token step, so these graphs decide what
     speculation costs (on an AVX-512 EPYC a 2-token verify ran the dynamic graph at 1.7x a decode)."""
@@ -196,7 +203,7 @@ def choose_buckets(gm: fx.GraphModule, device: torch.device) -> StepPlan:
             + ", ".join(f"{name} {t * 1e3:.2f} ms" for name, t in times.items()))
     linears = {}
     for rows in (1,) + WIDE_BUCKETS:  # a wide graph only beside a 1-token one: decodes must not pad to it
-        kind = _static_linears(times, rows)
+        kind = _static_linears(times, rows, 0.95 if rows == 1 else WIDE_CANDIDATE_SLACK)
         if kind is None or (rows > 1 and 1 not in linears):
             continue
         linears[rows] = kind
@@ -207,17 +214,17 @@ def choose_buckets(gm: fx.GraphModule, device: torch.device) -> StepPlan:
         f"{rows} ({names[kind]})" for rows, kind in linears.items()) + " tokens")
 
 
-def _static_linears(times: dict[str, float], rows: int) -> str | None:
+def _static_linears(times: dict[str, float], rows: int, within: float) -> str | None:
     """The linears a static graph of ``rows`` tokens should run: ``"gemv"`` or ``"inductor"`` (MKL's
-    packed GEMM), whichever was faster, if it beat oneDNN's (the dynamic graph's) at that row count
-    (2 for one token: the dynamic graph pads to 2) by 5%; None if neither did."""
+    packed GEMM), whichever was faster, if it took under ``within`` times oneDNN's (the dynamic
+    graph's) at that row count (2 for one token: the dynamic graph pads to 2); None otherwise."""
     unit = "row" if rows == 1 else "rows"
     candidates = {kind: times[name] for kind, name in (("gemv", f"specgraph gemv ({rows} {unit})"),
                                                        ("inductor", f"MKL ({rows} {unit})")) if name in times}
     if not candidates:
         return None
     kind = min(candidates, key=candidates.get)
-    return kind if candidates[kind] < 0.95 * times[f"oneDNN ({max(rows, 2)} rows)"] else None
+    return kind if candidates[kind] < within * times[f"oneDNN ({max(rows, 2)} rows)"] else None
 
 
 def _bf16_weights(gm: fx.GraphModule, quantized: list[fx.Node]) -> list[torch.Tensor]:
@@ -330,6 +337,43 @@ class StepGraphs:
                 progress(f"step graph {i + 1}/{len(shapes)} ({name}, {self.lowering})")
             run_padding_step(shape)
         self._warm = self.compiles
+
+    def keep_faster_buckets(self, run_padding_step: Callable[[object], None], repeats: int = 5) -> str:
+        """Time each wide bucket's static step against the dynamic graph at the sizes it would serve
+        (past the kept bucket below it; every row wanting logits, as in a verify), interleaved, best
+        of ``repeats``. From the narrowest up, a bucket whose step is not 5% under the mean of those
+        is dropped (a wider one then serves its sizes too). Returns what it measured and chose."""
+        from .program import StepShape
+
+        width = self._table_width or 2
+        served = self.buckets
+        wide = [b for b in served if b > 1]
+        if not wide:
+            return "no wide bucket to check"
+        shapes = {b: StepShape(b, b, b, width) for b in wide}
+        shapes.update({("dynamic", n): StepShape(n, 2, n, width) for n in range(2, max(wide) + 1)})
+        best = dict.fromkeys(shapes, float("inf"))
+        try:
+            for _ in range(repeats):
+                for key, shape in shapes.items():
+                    self.buckets = served if key in served else (1,) if 1 in served else ()
+                    t0 = time.perf_counter()
+                    run_padding_step(shape)
+                    best[key] = min(best[key], time.perf_counter() - t0)
+        finally:
+            self.buckets = served
+        kept, parts = [b for b in served if b == 1], []
+        for b in wide:
+            sizes = range(max(2, max(kept, default=0) + 1), b + 1)
+            dynamic = sum(best[("dynamic", n)] for n in sizes) / len(sizes)
+            keep = best[b] < 0.95 * dynamic
+            kept += [b] if keep else []
+            parts.append(f"bucket {b} {best[b] * 1e3:.1f} ms vs dynamic {dynamic * 1e3:.1f} -> "
+                         + ("kept" if keep else "dropped"))
+        self.buckets = tuple(kept)
+        for key in [k for k in self._graphs if (k[0] if isinstance(k, tuple) else k) not in (*kept, "dynamic")]:
+            del self._graphs[key]  # a dropped bucket's code and packed weights
+        return "whole steps: " + ", ".join(parts)
 
     def measure_padding(self, run_padding_step: Callable[[object], None], upto: int = PAD_SEARCH_TOKENS,
                         repeats: int = 3) -> str:

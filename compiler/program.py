@@ -340,6 +340,7 @@ class DecoderProgram:
         with torch.no_grad():
             steps.warm_up(run_padding_step, table_width, progress)
             if self.device.type == "cpu" and self.lowering == "inductor":  # (the interpreter's timings mean nothing)
+                self.step_plan += "; " + steps.keep_faster_buckets(run_padding_step)
                 self.step_plan += "; " + steps.measure_padding(run_padding_step)
         return steps
 

@@ -20,8 +20,9 @@ class EngineStats:
     / ``decode_forwards``); ``acceptance_rate`` the share of verified drafts kept;
     ``speculated_fraction`` the share of decode forwards that verified drafts; ``requests``
     the last ``generate`` call's per-request decisions (decode steps, speculated steps, draft
-    lengths chosen); ``forward_cost_s`` the controller's measured seconds per target forward
-    by stream size; ``mean_accepted_path`` the drafts kept per verify forward (a tree's accepted
+    lengths chosen); ``forward_cost_s`` the controller's seconds per target forward by stream
+    size (its measured shape times ``forward_cost_scale``, learned from the steps: 1.2 means
+    they now take 20% longer than when the engine measured them); ``mean_accepted_path`` the drafts kept per verify forward (a tree's accepted
     root path) and ``tree_nodes_verified`` the tree nodes verified; ``draft_s`` the seconds spent
     drafting (part of ``host_s``).
     """
@@ -108,6 +109,7 @@ class EngineStats:
             s["draft_s"] = engine.speculation.draft_s - self._draft_s_base
             if engine.controller is not None:
                 s["forward_cost_s"] = engine.controller.forward_cost.as_dict()
+                s["forward_cost_scale"] = engine.controller.forward_cost.scale
         return s
 
     def _counters(self) -> dict[str, int]:

@@ -192,9 +192,9 @@ G, M = "gemv", "inductor"
 
 
 @pytest.mark.parametrize("times, linears", [
-    (_timings(6, 9, 7, 9, 9.5, 8.6), {1: G, 4: G}),  # the AVX-512 EPYC: gemv wins at 1 and 4 rows, loses at 8
+    (_timings(6, 9, 7, 9, 9.5, 8.6), {1: G, 4: G, 8: G}),  # an AVX-512 EPYC: gemv 10% behind at 8 rows, a candidate
     (_timings(6, 9, 7, 9, 7, 9), {1: G, 4: G, 8: G}),
-    (_timings(6, 9, 9, 9, 9.5, 8.6), {1: G}),  # a tie at 4 rows is no reason for another graph
+    (_timings(6, 9, 12, 9, 12, 8.6), {1: G}),  # wide GEMMs 1.33x and 1.4x oneDNN's: not worth compiling
     (_timings(9, 8, 5, 9, 5, 9), {}),  # oneDNN wins a decode: the dynamic graph serves everything
     (_timings(8.9, 10.8, 9.0, 10.6, 10.5, 12.6, mkl_1=8.6), {1: M, 4: G, 8: G}),  # the AVX-512 Xeon: MKL at 1 row
     (_timings(8.9, 10.8, 9.0, 10.6, 10.5, 12.6, mkl_1=8.6, mkl_8=9.9), {1: M, 4: G, 8: M}),
@@ -202,8 +202,8 @@ G, M = "gemv", "inductor"
 ])
 def test_step_graphs_follow_the_measured_linears(times, linears, monkeypatch):
     """The static step graphs come from the timings: one for 1 token when MKL or the C++ kernel
-    beats oneDNN's 2-row GEMM, and beside it one for each wider step where one of them also wins
-    by 5%, each bucket with the faster of the two."""
+    beats oneDNN's 2-row GEMM by 5%, and beside it a candidate for each wider step where one of
+    them comes within 1.25x of oneDNN (whole steps decide later), each with the faster of the two."""
     from specgraph.compiler import inductor
 
     class Linear(torch.nn.Module):
@@ -242,6 +242,36 @@ def test_dynamic_steps_pad_to_the_cheapest_measured_size():
     assert steps.shape_for(StepShape(2, 2, 2, 3)) == ("dynamic", StepShape(4, 3, 2, 3))  # + a padding sequence
     assert steps.shape_for(StepShape(1, 1, 1, 3)) == (1, StepShape(1, 1, 1, 4))  # the bucket, as before
     assert steps.shape_for(StepShape(5, 2, 2, 3)) == ("dynamic", StepShape(5, 2, 2, 3))
+
+
+def test_a_wide_bucket_stays_only_where_its_whole_step_beats_the_dynamic_graph():
+    """The linears are not the whole step: each wide candidate is timed as a step against the
+    dynamic graph at the sizes it would serve, and kept only 5% under their mean."""
+    import time
+
+    from specgraph.compiler.inductor import StepGraphs
+
+    def run(bucket_ms, dynamic_ms):
+        timed = []
+
+        def run_padding_step(shape):
+            key, _ = steps.shape_for(shape)
+            timed.append((key, shape.num_tokens))
+            time.sleep((dynamic_ms[shape.num_tokens] if key == "dynamic" else bucket_ms[key]) / 1e3)
+
+        steps.buckets, steps._table_width, steps.pad_tokens, steps._graphs = (1, 4, 8), 4, {}, {(4, (2,)): 0}
+        line = steps.keep_faster_buckets(run_padding_step, repeats=2)
+        return line, timed
+
+    steps = StepGraphs.__new__(StepGraphs)  # only the shape rules, no graph
+    dynamic = {2: 30.0, 3: 30.0, 4: 31.0, 5: 33.0, 6: 33.0, 7: 34.0, 8: 35.0}
+    line, timed = run({4: 24.0, 8: 34.0}, dynamic)  # 4 wins by 20%; 8 ties
+    assert steps.buckets == (1, 4) and (4, (2,)) in steps._graphs, line
+    assert {n for key, n in timed if key == "dynamic"} == {2, 3, 4, 5, 6, 7, 8}
+    line, timed = run({4: 30.0, 8: 20.0}, dynamic)  # 8 then serves 2..8 too: judged against all of them
+    assert steps.buckets == (1, 8) and steps._graphs == {}, line
+    line, timed = run({4: 30.0, 8: 33.0}, dynamic)  # 5% under 5..8, but not under 2..8 with 4 gone
+    assert steps.buckets == (1,), line
 
 
 def test_triton_interpret_lowering_runs_a_decoder_end_to_end(tmp_path):
