@@ -306,6 +306,7 @@ class StepGraphs:
         #: dynamic-graph steps of n tokens run padded to pad_tokens[n] tokens, where that was
         #: measured cheaper (:meth:`measure_padding`)
         self.pad_tokens: dict[int, int] = {}
+        self.dropped: tuple[int, ...] = ()  # buckets compiled, then dropped (:meth:`keep_faster_buckets`)
 
     # ----------------------------------------------------------------- shapes
     def shape_for(self, have) -> tuple[object, "object"]:
@@ -371,6 +372,7 @@ class StepGraphs:
             parts.append(f"bucket {b} {best[b] * 1e3:.1f} ms vs dynamic {dynamic * 1e3:.1f} -> "
                          + ("kept" if keep else "dropped"))
         self.buckets = tuple(kept)
+        self.dropped = tuple(b for b in served if b not in kept)
         for key in [k for k in self._graphs if (k[0] if isinstance(k, tuple) else k) not in (*kept, "dynamic")]:
             del self._graphs[key]  # a dropped bucket's code and packed weights
         return "whole steps: " + ", ".join(parts)

@@ -270,8 +270,8 @@ def test_greedy_output_does_not_depend_on_the_chosen_lengths(family, draft, monk
         got = spec.generate(prompts, max_new_tokens=12, ignore_eos=True)
         assert {tuple(p): r.token_ids for p, r in zip(prompts, got)} == want
     assert 0 < spec.stats["speculated_fraction"] < 1
-    cost = spec.controller.forward_cost  # the steps taught it the speed: every size scaled alike
-    assert spec.stats["forward_cost_scale"] == cost.scale != 1.0
+    cost = spec.controller.forward_cost  # the reported table: the measured shape, every size scaled alike
+    assert spec.stats["forward_cost_scale"] == cost.scale > 0
     assert spec.stats["forward_cost_s"] == pytest.approx({n: cost.scale * c for n, c in zip(cost.sizes, cost.shape)})
 
 

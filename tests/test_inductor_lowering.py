@@ -75,7 +75,8 @@ def test_inductor_engine_equals_reference_and_never_recompiles(family, tmp_path)
     engine = specgraph.Engine(model, lowering="inductor", page_size=8, num_blocks=48, dump_dir=str(tmp_path),
                               self_check=False)
     built = engine.program.compiles
-    assert built == 1 + len(engine.program._steps.buckets)  # the dynamic graph + measured buckets, at build
+    steps = engine.program._steps  # the dynamic graph + the candidate buckets, kept or dropped, at build
+    assert built == 1 + len(steps.buckets) + len(steps.dropped)
     prompts = random_prompts(family, [7, 3, 12, 5], seed=3)
     for batch in (prompts[:1], prompts, prompts[1:3]):
         out = engine.generate(batch, max_new_tokens=5)
@@ -266,7 +267,7 @@ def test_a_wide_bucket_stays_only_where_its_whole_step_beats_the_dynamic_graph()
     steps = StepGraphs.__new__(StepGraphs)  # only the shape rules, no graph
     dynamic = {2: 30.0, 3: 30.0, 4: 31.0, 5: 33.0, 6: 33.0, 7: 34.0, 8: 35.0}
     line, timed = run({4: 24.0, 8: 34.0}, dynamic)  # 4 wins by 20%; 8 ties
-    assert steps.buckets == (1, 4) and (4, (2,)) in steps._graphs, line
+    assert steps.buckets == (1, 4) and steps.dropped == (8,) and (4, (2,)) in steps._graphs, line
     assert {n for key, n in timed if key == "dynamic"} == {2, 3, 4, 5, 6, 7, 8}
     line, timed = run({4: 30.0, 8: 20.0}, dynamic)  # 8 then serves 2..8 too: judged against all of them
     assert steps.buckets == (1, 8) and steps._graphs == {}, line
