@@ -271,8 +271,9 @@ def test_a_wide_bucket_stays_only_where_its_whole_step_beats_the_dynamic_graph()
     assert {n for key, n in timed if key == "dynamic"} == {2, 3, 4, 5, 6, 7, 8}
     line, timed = run({4: 30.0, 8: 20.0}, dynamic)  # 8 then serves 2..8 too: judged against all of them
     assert steps.buckets == (1, 8) and steps._graphs == {}, line
-    line, timed = run({4: 30.0, 8: 33.0}, dynamic)  # 5% under 5..8, but not under 2..8 with 4 gone
-    assert steps.buckets == (1,), line
+    cheap_short = {2: 20.0, 3: 20.0, 4: 20.0, 5: 40.0, 6: 40.0, 7: 40.0, 8: 40.0}
+    line, timed = run({4: 30.0, 8: 34.0}, cheap_short)  # 8 beats 5..8 (40) but not 2..8 (31.4) with 4 gone
+    assert steps.buckets == (1,) and steps.dropped == (4, 8), line
 
 
 def test_triton_interpret_lowering_runs_a_decoder_end_to_end(tmp_path):
