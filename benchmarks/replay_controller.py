@@ -1,5 +1,5 @@
-"""Replay recorded generations through the speculation controller under a fixed cost model: a
-noise-free comparison of its decisions with fixed draft lengths (n-gram drafts).
+"""Replay recorded generations through the speculation controller under a modelled cost: its
+decisions against fixed draft lengths (n-gram drafts), with the noise under control.
 
     python benchmarks/replay_controller.py --record /tmp/records.json   # generate once (about 10 minutes)
     python benchmarks/replay_controller.py --replay /tmp/records.json --costs "1:22.6,4:28.5,8:32,16:48,32:61"
@@ -139,11 +139,12 @@ def replay(records: list[dict], batch: int, policy, buckets: dict[int, float], m
                 r.num_computed = len(r.all_ids) - 1
                 kv.truncate(r.request_id, r.num_computed)
                 stream += 1 + len(proposed)
+                done = len(r.output_ids) >= new_tokens
                 if spec is not None:
                     spec.observe_decode(r, d, list(range(1, accepted + 1)))
-                    if len(r.output_ids) >= new_tokens:
+                    if done:
                         spec.forget(r)
-                if len(r.output_ids) >= new_tokens:
+                if done:
                     kv.free(r.request_id)
             cost = step_cost(buckets, stream) * machine.step()
             seconds += cost
