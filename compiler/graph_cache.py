@@ -15,6 +15,7 @@ cache off. Entries are written atomically (a temporary folder renamed into place
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import tempfile
@@ -64,6 +65,25 @@ def measurement_path(key: str | None, name: str) -> Path | None:
     if key is None or folder is None:
         return None
     return folder / "measurements" / f"{key}-{machine_fingerprint()}-{name}.json"
+
+
+def write_json(path: Path, data) -> None:
+    """Write ``data`` as JSON at ``path`` atomically (a temporary file renamed into place)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        json.dump(data, f)
+    os.replace(tmp, path)
+
+
+def read_json(path: Path):
+    """What :func:`write_json` wrote at ``path``, or None (missing or unreadable)."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
 
 
 def _sources_digest() -> str:

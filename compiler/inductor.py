@@ -13,7 +13,7 @@ to one (``AttentionMetadata.padded``), so steady-state generation never recompil
 
 * one static graph per bucket ``b`` in ``buckets``: ``b`` tokens, ``b`` sequences, ``b`` logit
   rows and the widest block table (decodes of up to ``b`` sequences, short verifies);
-  :func:`choose_buckets` decides by measurement on this machine whether any pays;
+  :func:`~.step_plan.choose_buckets` decides by measurement on this machine whether any pays;
 * one dynamic graph for every other step (prefill chunks, large batches): tokens, sequences,
   logit rows and table width symbolic, each padded to at least 2 (the shape environment
   specializes sizes 0 and 1).
@@ -32,7 +32,6 @@ import json
 import os
 import re
 import time
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -40,7 +39,6 @@ import torch.fx as fx
 
 from .signature import InputSpec, Role
 from ..kernels.config import use_triton_kernels
-from ..passes.graph_utils import attr_value
 from .dump import Dumper
 from .lowering import bind_gemv, bind_native_ops
 from .passes import copy_graph_module
@@ -124,155 +122,7 @@ class _MathAsLibdevice:
         return getattr(tl.math, name)
 
 
-_TIMED_BYTES = 160 << 20  # weights streamed by choose_buckets' timing (over any L3)
-
-#: CUDA: static graphs for these stream sizes (a decode of 1 and of up to 8 sequences); larger
-#: steps run the dynamic graph. Not yet captured as CUDA graphs: that needs a GPU to test on.
-CUDA_BUCKETS = (1, 8)
-
-
-@dataclass(frozen=True)
-class StepPlan:
-    """Which graphs to compile: static ``buckets`` (the linears of bucket ``b`` run
-    ``bucket_linears[b]``: Inductor's own choice, or specgraph's C++ ``gemv``) and the dynamic
-    graph; ``reason`` says why."""
-
-    buckets: tuple[int, ...]
-    bucket_linears: dict[int, str]  # bucket -> "inductor" or "gemv"
-    reason: str
-
-
 PAD_SEARCH_TOKENS = 16  # StepGraphs.measure_padding times dynamic steps up to this many tokens
-WIDE_BUCKETS = (4, 8)  # the multi-token static graphs choose_buckets considers (row counts it times)
-#: a wide graph is compiled as a candidate when its linears cost at most this times oneDNN's: the
-#: linears are not the whole step (a static graph of 4 tokens ran 15-20% faster than the dynamic
-#: graph on an AVX-512 EPYC whose few-row GEMMs timed 16% slower), so StepGraphs.keep_faster_buckets
-#: times whole steps and keeps it only where it wins.
-WIDE_CANDIDATE_SLACK = 1.25
-
-
-def choose_buckets(gm: fx.GraphModule, device: torch.device) -> StepPlan:
-    """The step graphs to compile, decided by measurement on this machine.
-
-    On CUDA: :data:`CUDA_BUCKETS`. On CPU the choice is how a decode's linears run, which is most
-    of a batch-1 step. Inductor runs the linears of a graph with a static row count through MKL's
-    packed GEMM and those of a graph with a symbolic row count through oneDNN's; specgraph also has
-    a C++ few-row kernel (``specgraph_cpu::gemv``, the weights streamed once for up to 8 rows). Which
-    wins differs between CPUs and even with the load (on an AMD EPYC with AVX2: oneDNN 8.2 ms, MKL
-    10.7 ms over 160 MiB when quiet), so this times the three streaming the graph's own weights
-    (more bytes than any CPU cache: timing one small matrix again and again measures the cache, and
-    once picked a library 1.35x slower on the real step) and compiles a static graph for 1-token
-    steps only when MKL or the C++ kernel beats oneDNN at 2 rows (the dynamic graph pads a decode
-    to 2 rows; a memory-bound GEMV costs about the same for 1 and 2). Beside it, each of 4 and 8
-    rows where MKL or the C++ kernel comes within :data:`WIDE_CANDIDATE_SLACK` of oneDNN gets a
-    static graph for steps up to that many tokens, with the faster of the two: batched decodes and
-    verifies; once compiled, :meth:`StepGraphs.keep_faster_buckets` keeps it only if a whole step
-    beats the dynamic graph's. Each bucket
-    picks its own linears (on an AVX-512 Xeon MKL won 1 row and the C++ kernel 4 and 8, by 16%
-    over oneDNN). A verify of k drafts costs a ``k + 1``-token step, so these graphs decide what
-    speculation costs (on an AVX-512 EPYC a 2-token verify ran the dynamic graph at 1.7x a decode)."""
-    if device.type == "cuda":
-        return StepPlan(CUDA_BUCKETS, dict.fromkeys(CUDA_BUCKETS, "inductor"),
-                        f"CUDA: static graphs for {CUDA_BUCKETS} tokens, the dynamic graph above")
-    if not torch.backends.mkldnn.is_available():
-        return StepPlan((), {}, "CPU without oneDNN: every step runs the dynamic graph")
-    weights, total = [], 0
-    for node in gm.graph.nodes:  # the model's own weights, in order, until they exceed any CPU cache
-        if node.op == "call_function" and node.target == torch.ops.aten.linear.default and total < _TIMED_BYTES:
-            w = node.args[1]
-            if isinstance(w, fx.Node) and w.op == "get_attr":
-                t = attr_value(gm, w.target)
-                if isinstance(t, torch.Tensor) and t.dim() == 2 and t.dtype == torch.float32:
-                    weights.append(t.detach())
-                    total += t.numel() * 4
-    if not weights:
-        quantized = [n for n in gm.graph.nodes
-                     if n.op == "call_function" and n.target == torch.ops.specgraph.quant_linear.default]
-        if quantized:
-            reason = ("quantized linears (specgraph's kernel at any row count) -> static graphs for steps of 1 and "
-                      "of up to 8 tokens: their C++ wrapper saves host time")
-            bf16 = _bf16_weights(gm, quantized)
-            if bf16:
-                from ..kernels import cpu_kernels
-
-                reason += "; " + cpu_kernels.choose_bf16_products(bf16)
-            return StepPlan((1, 8), {1: "inductor", 8: "inductor"}, reason)
-        return StepPlan((), {}, "no float32 linears: every step runs the dynamic graph")
-    times = _time_linears(weights)
-    line = (f"few-row GEMMs over {total / 2**20:.0f} MiB of the model's weights: "
-            + ", ".join(f"{name} {t * 1e3:.2f} ms" for name, t in times.items()))
-    linears = {}
-    for rows in (1,) + WIDE_BUCKETS:  # a wide graph only beside a 1-token one: decodes must not pad to it
-        kind = _static_linears(times, rows, 0.95 if rows == 1 else WIDE_CANDIDATE_SLACK)
-        if kind is None or (rows > 1 and 1 not in linears):
-            continue
-        linears[rows] = kind
-    if not linears:
-        return StepPlan((), {}, line + " -> decodes run the dynamic graph (oneDNN)")
-    names = {"gemv": "specgraph gemv", "inductor": "MKL"}
-    return StepPlan(tuple(linears), linears, line + " -> static graphs for steps of up to " + ", ".join(
-        f"{rows} ({names[kind]})" for rows, kind in linears.items()) + " tokens")
-
-
-def _static_linears(times: dict[str, float], rows: int, within: float) -> str | None:
-    """The linears a static graph of ``rows`` tokens should run: ``"gemv"`` or ``"inductor"`` (MKL's
-    packed GEMM), whichever was faster, if it took under ``within`` times oneDNN's (the dynamic
-    graph's) at that row count (2 for one token: the dynamic graph pads to 2); None otherwise."""
-    unit = "row" if rows == 1 else "rows"
-    candidates = {kind: times[name] for kind, name in (("gemv", f"specgraph gemv ({rows} {unit})"),
-                                                       ("inductor", f"MKL ({rows} {unit})")) if name in times}
-    if not candidates:
-        return None
-    kind = min(candidates, key=candidates.get)
-    return kind if candidates[kind] < within * times[f"oneDNN ({max(rows, 2)} rows)"] else None
-
-
-def _bf16_weights(gm: fx.GraphModule, quantized: list[fx.Node]) -> list[torch.Tensor]:
-    """The bfloat16 weights of the quantized linears ``quantized``, each once, in graph order."""
-    seen, out = set(), []
-    for node in quantized:
-        w = node.args[1]
-        scheme = node.args[4] if len(node.args) > 4 else node.kwargs.get("scheme")
-        if scheme == "bfloat16" and isinstance(w, fx.Node) and w.op == "get_attr" and w.target not in seen:
-            seen.add(w.target)
-            out.append(attr_value(gm, w.target).detach())
-    return out
-
-
-def _time_linears(weights: list[torch.Tensor], repeats: int = 7) -> dict[str, float]:
-    """Seconds for one pass over ``weights`` per candidate, each the best of ``repeats``, the
-    candidates interleaved so that load swings hit all of them."""
-    from ..kernels import cpu_kernels
-
-    x = {rows: {w.shape[1]: torch.randn(rows, w.shape[1]) for w in weights} for rows in (1, 2) + WIDE_BUCKETS}
-    dnn = [(w, torch.ops.mkldnn._reorder_linear_weight(w, 2)) for w in weights]
-
-    def onednn(rows: int):
-        return lambda: [torch.ops.mkldnn._linear_pointwise(x[rows][w.shape[1]], p, None, "none", [], "")
-                        for w, p in dnn]
-
-    runs = {f"oneDNN ({rows} rows)": onednn(rows) for rows in (2,) + WIDE_BUCKETS}
-    if torch._C.has_mkl:  # (MKL's packing is per batch size, as Inductor packs a static graph's weights)
-        for rows in (1,) + WIDE_BUCKETS:
-            mkl = [(w, torch.ops.mkl._mkl_reorder_linear_weight(w, rows)) for w in weights]
-            runs[f"MKL ({rows} row{'s' if rows > 1 else ''})"] = \
-                lambda rows=rows, mkl=mkl: [torch.ops.mkl._mkl_linear(x[rows][w.shape[1]], p, w, None, rows)
-                                            for w, p in mkl]
-    gemv = cpu_kernels.native_op("gemv")
-    if gemv is not None:
-        runs["specgraph gemv (1 row)"] = lambda: [gemv(x[1][w.shape[1]], w, None) for w in weights]
-        for rows in WIDE_BUCKETS:
-            runs[f"specgraph gemv ({rows} rows)"] = lambda rows=rows: [gemv(x[rows][w.shape[1]], w, None) for w in weights]
-    best = {name: float("inf") for name in runs}
-    with torch.no_grad():
-        for fn in runs.values():  # warm-up
-            fn()
-        for _ in range(repeats):
-            for name, fn in runs.items():
-                t0 = time.perf_counter()
-                fn()
-                best[name] = min(best[name], time.perf_counter() - t0)
-    return best
 
 
 class StepGraphs:

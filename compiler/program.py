@@ -289,7 +289,8 @@ class DecoderProgram:
 
         ``table_width``: the widest block table a step may carry (bucket graphs are specialized
         to it). ``buckets``: the static graphs' stream sizes; by default measured on this machine
-        (:func:`~specgraph.compiler.inductor.choose_buckets`, its reason in ``self.step_plan``);
+        (:func:`~specgraph.compiler.step_plan.choose_buckets`, its reason in ``self.step_plan``; the
+        outcome is kept per machine, and later builds reuse it);
         given buckets run their linears as ``bucket_linears`` ("inductor" or "gemv", or one per bucket).
         Once compiled, every call runs generated code (see :mod:`specgraph.compiler.inductor`).
         ``progress(stage)`` is told which graph is being compiled. With ``background``, a thread
@@ -321,15 +322,23 @@ class DecoderProgram:
         return self._steps is not None
 
     def _build_steps(self, kv_cache, table_width: int, buckets, progress, bucket_linears):
-        from .inductor import StepGraphs, choose_buckets
+        from .inductor import StepGraphs
+        from .step_plan import StepPlan, choose_buckets, load_plan, save_plan
 
-        if buckets is None:
+        timed = self.device.type == "cpu" and self.lowering == "inductor"  # (the interpreter's timings mean nothing)
+        cached = load_plan(self.cache_key, self.lowering, table_width) if buckets is None and timed else None
+        if cached is not None:  # measured by an earlier build on this kind of machine
+            plan = cached
+            self.step_plan = "as measured by an earlier build on this machine: " + plan.reason
+        elif buckets is None:
             plan = choose_buckets(self.gm, self.device)
-            buckets, bucket_linears, self.step_plan = plan.buckets, plan.bucket_linears, plan.reason
+            self.step_plan = plan.reason
         else:
-            self.step_plan = f"buckets {buckets} given, linears: {bucket_linears}"
-        steps = StepGraphs(self.gm, self._inputs, self.lowering, buckets,
-                           dump_dir=self.compiled.context.options.dump_dir, bucket_linears=bucket_linears)
+            linears = dict.fromkeys(buckets, bucket_linears) if isinstance(bucket_linears, str) else dict(bucket_linears)
+            plan = StepPlan(tuple(buckets), linears, f"buckets {buckets} given, linears: {bucket_linears}")
+            self.step_plan = plan.reason
+        steps = StepGraphs(self.gm, self._inputs, self.lowering, plan.buckets,
+                           dump_dir=self.compiled.context.options.dump_dir, bucket_linears=plan.bucket_linears)
 
         def run_padding_step(shape: StepShape) -> None:
             empty = AttentionMetadata.build([], self.page_size, [])
@@ -339,9 +348,15 @@ class DecoderProgram:
 
         with torch.no_grad():
             steps.warm_up(run_padding_step, table_width, progress)
-            if self.device.type == "cpu" and self.lowering == "inductor":  # (the interpreter's timings mean nothing)
+            if cached is not None:
+                steps.pad_tokens = dict(cached.pad_tokens)
+            elif timed:
                 self.step_plan += "; " + steps.keep_faster_buckets(run_padding_step)
                 self.step_plan += "; " + steps.measure_padding(run_padding_step)
+                if buckets is None:
+                    save_plan(self.cache_key, self.lowering, table_width,
+                              StepPlan(steps.buckets, {b: steps.bucket_linears[b] for b in steps.buckets},
+                                       self.step_plan, steps.pad_tokens))
         return steps
 
     @property

@@ -54,15 +54,14 @@ output is identical to no speculation and sampling keeps the target's distributi
 """
 from __future__ import annotations
 
-import json
-import os
-import tempfile
 import time
 from bisect import bisect_left
 from collections import deque
 from dataclasses import dataclass
 from statistics import median
 from typing import Callable, Sequence
+
+from ..compiler.graph_cache import read_json, write_json
 
 
 class ForwardCost:
@@ -122,20 +121,16 @@ class ForwardCost:
         return {n: self.scale * s for n, s in zip(self.sizes, self.shape)}
 
     def save(self, path) -> None:
-        """Write the shape as JSON (atomically: a temporary file renamed into place)."""
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
-            json.dump({str(n): s for n, s in zip(self.sizes, self.shape)}, f)
-        os.replace(tmp, path)
+        """Write the shape as JSON (atomically)."""
+        write_json(path, {str(n): s for n, s in zip(self.sizes, self.shape)})
 
     @classmethod
     def load(cls, path) -> "ForwardCost | None":
         """A table :meth:`save` wrote, or None (missing or unreadable)."""
+        data = read_json(path)
         try:
-            with open(path) as f:
-                return cls({int(n): float(s) for n, s in json.load(f).items()})
-        except (OSError, ValueError, TypeError, AttributeError):
+            return cls({int(n): float(s) for n, s in data.items()})
+        except (ValueError, TypeError, AttributeError):
             return None
 
 

@@ -96,6 +96,38 @@ def test_inductor_engine_equals_reference_and_never_recompiles(family, tmp_path)
         assert any(k == "specgraph_cpu.cache_write" for kernels in index.values() for k in kernels)
 
 
+def test_a_second_build_on_this_machine_runs_the_plan_the_first_measured(tmp_path, monkeypatch):
+    """The step plan (buckets kept by whole-step timing, the dynamic graph's padding) is kept beside the
+    graph-cache entry: a second engine of the model compiles only the kept graphs, times nothing,
+    and generates the same tokens; an unreadable plan file counts as none."""
+    from specgraph.compiler import step_plan
+
+    monkeypatch.setenv("SPECGRAPH_GRAPH_CACHE", str(tmp_path))
+    model = make_family("llama")
+    build = lambda: specgraph.Engine(model, lowering="inductor", page_size=8, num_blocks=48, self_check=False)  # noqa: E731
+    first = build()
+    assert not first.program.step_plan.startswith("as measured"), first.program.step_plan
+    saved = list((tmp_path / "measurements").glob("*step-plan-*.json"))
+    assert len(saved) == 1
+
+    def no_timing(*args, **kwargs):
+        raise AssertionError("a cached plan must not be measured again")
+
+    monkeypatch.setattr(step_plan, "choose_buckets", no_timing)
+    monkeypatch.setattr("specgraph.compiler.inductor.StepGraphs.keep_faster_buckets", no_timing)
+    monkeypatch.setattr("specgraph.compiler.inductor.StepGraphs.measure_padding", no_timing)
+    second = build()
+    a, b = first.program._steps, second.program._steps
+    assert second.program.step_plan.startswith("as measured by an earlier build"), second.program.step_plan
+    assert (b.buckets, b.pad_tokens, b.dropped) == (a.buckets, a.pad_tokens, ())
+    assert second.program.compiles == 1 + len(b.buckets)
+    prompts = random_prompts("llama", [7, 3], seed=5)
+    assert ([r.token_ids for r in second.generate(prompts, max_new_tokens=4)]
+            == [r.token_ids for r in first.generate(prompts, max_new_tokens=4)])
+    saved[0].write_text("{not json")
+    assert step_plan.load_plan(first.program.cache_key, "inductor", a._table_width) is None
+
+
 _PY_CPU = """
     cpp_fused_norm_0(arg0_1, buf0)
     # Topologically Sorted Source Nodes: [embedding, rsqrt, linear], Original ATen: [aten.embedding]
@@ -205,7 +237,7 @@ def test_step_graphs_follow_the_measured_linears(times, linears, monkeypatch):
     """The static step graphs come from the timings: one for 1 token when MKL or the C++ kernel
     beats oneDNN's 2-row GEMM by 5%, and beside it a candidate for each wider step where one of
     them comes within 1.25x of oneDNN (whole steps decide later), each with the faster of the two."""
-    from specgraph.compiler import inductor
+    from specgraph.compiler import step_plan
 
     class Linear(torch.nn.Module):
         def __init__(self):
@@ -215,8 +247,8 @@ def test_step_graphs_follow_the_measured_linears(times, linears, monkeypatch):
         def forward(self, x):
             return torch.ops.aten.linear.default(x, self.w)
 
-    monkeypatch.setattr(inductor, "_time_linears", lambda weights: times)
-    plan = inductor.choose_buckets(torch.fx.symbolic_trace(Linear()), torch.device("cpu"))
+    monkeypatch.setattr(step_plan, "_time_linears", lambda weights: times)
+    plan = step_plan.choose_buckets(torch.fx.symbolic_trace(Linear()), torch.device("cpu"))
     assert plan.buckets == tuple(linears) and plan.bucket_linears == linears, plan.reason
 
 
