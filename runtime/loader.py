@@ -38,19 +38,19 @@ requested dtype, and tied input/output embeddings when the config says so.  A
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import importlib.util
 import json
 import os
 import shutil
 import sys
-import tempfile
 import time
 import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from .model_cache import META_FILE, build_cache, cache_problem, gguf_cache_name, safetensors_problem
 
 __all__ = [
     "CACHE_ENV_VAR",
@@ -65,9 +65,6 @@ __all__ = [
 ]
 
 CACHE_ENV_VAR = "SPECGRAPH_CACHE_DIR"
-CACHE_FORMAT = 1
-META_FILE = "specgraph_cache.json"
-WEIGHTS_FILE = "model.safetensors"
 
 #: SmolLM2's official chat template (this is what the instruct GGUF carries in
 #: ``tokenizer.chat_template``); used only if a SmolLM2 tokenizer comes without one.
@@ -192,14 +189,6 @@ def find_smollm2_gguf(name: str = "smollm2-135m-instruct") -> Path:
     )
 
 
-def _gguf_cache_name(gguf: Path) -> str:
-    st = gguf.stat()
-    key = f"{gguf.name}|{st.st_size}|{st.st_mtime_ns}"
-    digest = hashlib.sha256(key.encode()).hexdigest()[:12]
-    stem = "".join(c if c.isalnum() or c in "-_." else "_" for c in gguf.stem)
-    return f"gguf-{stem}-{digest}"
-
-
 def cache_path_for(name_or_path: str | os.PathLike, cache_dir: str | os.PathLike | None = None) -> Path:
     """The cache folder :func:`load_model` uses for a known name or a ``.gguf`` path.
 
@@ -211,28 +200,10 @@ def cache_path_for(name_or_path: str | os.PathLike, cache_dir: str | os.PathLike
         return root / km.cache_name
     p = Path(name_or_path).expanduser()
     if p.is_file() and p.suffix.lower() == ".gguf":
-        return root / _gguf_cache_name(p.resolve())
+        return root / gguf_cache_name(p.resolve())
     raise ValueError(
         f"{str(name_or_path)!r} is neither a known name nor an existing .gguf file; nothing is cached for it"
     )
-
-
-# ---------------------------------------------------------------------------
-# validation helpers
-# ---------------------------------------------------------------------------
-
-
-def _safetensors_problem(path: Path) -> str | None:
-    """None if the safetensors header opens and covers the whole file, else the reason."""
-    from safetensors import safe_open
-
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            if not list(f.keys()):
-                return "it holds no tensors"
-    except Exception as e:  # SafetensorError, OSError, ...
-        return f"{type(e).__name__}: {e}"
-    return None
 
 
 def _check_gguf(path: Path, hint: str) -> Any:
@@ -252,46 +223,6 @@ def _check_gguf(path: Path, hint: str) -> Any:
         raise ValueError(
             f"GGUF file {path} is truncated or corrupt ({type(e).__name__}: {e}). {hint}"
         ) from e
-
-
-def _cache_problem(folder: Path, source: dict) -> str | None:
-    """None if ``folder`` is a complete cache for ``source``, else why not."""
-    if not folder.is_dir():
-        return "missing"
-    meta_path = folder / META_FILE
-    try:
-        meta = json.loads(meta_path.read_text())
-    except FileNotFoundError:
-        return f"{META_FILE} missing (incomplete or foreign folder)"
-    except (OSError, ValueError) as e:
-        return f"{META_FILE} unreadable ({e})"
-    if meta.get("format") != CACHE_FORMAT:
-        return f"cache format {meta.get('format')!r} != {CACHE_FORMAT}"
-    src = meta.get("source", {})
-    for k in ("name", "size"):
-        if src.get(k) != source.get(k):
-            return (
-                f"stale: built from {src.get('name')!r} ({src.get('size')} bytes), "
-                f"source is {source.get('name')!r} ({source.get('size')} bytes)"
-            )
-    files = meta.get("files") or {}
-    required = {"config.json", WEIGHTS_FILE, "tokenizer_config.json"}
-    if not required <= set(files) or not ({"tokenizer.json", "vocab.json"} & set(files)):
-        return f"{META_FILE} does not list config, weights and tokenizer files"
-    for fname, size in files.items():
-        p = folder / fname
-        if not p.is_file():
-            return f"{fname} missing"
-        if p.stat().st_size != size:
-            return f"{fname} is {p.stat().st_size} bytes, expected {size} (truncated or modified)"
-    try:
-        json.loads((folder / "config.json").read_text())
-    except ValueError as e:
-        return f"config.json is not valid JSON ({e})"
-    problem = _safetensors_problem(folder / WEIGHTS_FILE)
-    if problem:
-        return f"{WEIGHTS_FILE} unreadable ({problem})"
-    return None
 
 
 # ---------------------------------------------------------------------------
@@ -343,23 +274,6 @@ def _ensure_chat_template(tok, km: _KnownModel | None) -> str | None:
     return None
 
 
-def _fsync_tree(folder: Path) -> None:
-    for p in folder.iterdir():
-        if p.is_file():
-            with open(p, "rb") as f:
-                os.fsync(f.fileno())
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def _convert_gguf(gguf: Path, dest: Path, km: _KnownModel | None) -> dict:
     """Dequantize ``gguf`` and save config + model.safetensors + tokenizer into ``dest``."""
     hint = (
@@ -385,66 +299,6 @@ def _convert_gguf(gguf: Path, dest: Path, km: _KnownModel | None) -> dict:
     plain.save_pretrained(str(dest))
     tok.save_pretrained(str(dest))
     return {"chat_template_source": template}
-
-
-def _clean_stale_tmp(final: Path) -> None:
-    """Remove temp folders left by interrupted conversions of processes that are gone."""
-    prefix = f".{final.name}.tmp-"
-    for p in final.parent.glob(prefix + "*"):
-        try:
-            pid = int(p.name[len(prefix):].split("-", 1)[0])
-        except ValueError:
-            continue
-        if pid != os.getpid():
-            try:
-                os.kill(pid, 0)
-                continue  # still running: maybe converting right now
-            except ProcessLookupError:
-                pass
-            except PermissionError:
-                continue
-        shutil.rmtree(p, ignore_errors=True)
-
-
-def _build_cache(gguf: Path, final: Path, source: dict, km: _KnownModel | None) -> dict:
-    final.parent.mkdir(parents=True, exist_ok=True)
-    _clean_stale_tmp(final)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-{os.getpid()}-", dir=final.parent))
-    try:
-        extra = _convert_gguf(gguf, tmp, km)
-        files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()}
-        meta = {
-            "format": CACHE_FORMAT,
-            "source": source,
-            "files": files,
-            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            **extra,
-        }
-        (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
-        _fsync_tree(tmp)
-        umask = os.umask(0)
-        os.umask(umask)
-        for f in tmp.iterdir():
-            os.chmod(f, 0o666 & ~umask)
-        os.chmod(tmp, 0o777 & ~umask)
-        if final.exists() or final.is_symlink():
-            if _cache_problem(final, source) is None:  # someone else finished first
-                shutil.rmtree(tmp, ignore_errors=True)
-                return json.loads((final / META_FILE).read_text())
-            trash = final.parent / f".{final.name}.tmp-{os.getpid()}-old-{time.time_ns()}"
-            os.rename(final, trash)
-            shutil.rmtree(trash, ignore_errors=True)
-        try:
-            os.rename(tmp, final)
-        except OSError:
-            if _cache_problem(final, source) is None:  # lost a race to another process
-                shutil.rmtree(tmp, ignore_errors=True)
-                return json.loads((final / META_FILE).read_text())
-            raise
-        return meta
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 # ---------------------------------------------------------------------------
@@ -489,7 +343,7 @@ def _load_hf_folder(folder: Path, dtype: torch.dtype, *, cache_hint: str | None 
     if not st_files and not bin_files:
         raise ValueError(f"{folder} holds no weights (*.safetensors or pytorch_model*.bin)")
     for p in st_files:
-        problem = _safetensors_problem(p)
+        problem = safetensors_problem(p)
         if problem:
             raise ValueError(f"safetensors file {p} is truncated or corrupt ({problem}). {fix}")
     try:
@@ -574,20 +428,20 @@ def load_model(
                 f"local file or folder (downloads from the Hugging Face hub are not supported)"
             )
 
-    cache = _cache_root(cache_dir) / (km.cache_name if km is not None else _gguf_cache_name(gguf))
+    cache = _cache_root(cache_dir) / (km.cache_name if km is not None else gguf_cache_name(gguf))
     st = gguf.stat()
     source = {"name": gguf.name, "size": st.st_size, "path": str(gguf), "mtime_ns": st.st_mtime_ns}
     cache_hint = f"Delete the cache folder {cache} to rebuild it."
 
     converted = False
-    problem = _cache_problem(cache, source)
+    problem = cache_problem(cache, source)
     if problem is not None and problem != "missing":
         warnings.warn(f"specgraph: model cache {cache} is unusable ({problem}); rebuilding it from {gguf}",
                       RuntimeWarning, stacklevel=2)
     if problem is not None:
         _log(f"converting {gguf.name} to a float32 safetensors cache once (about a minute) -> {cache}")
         tc = time.perf_counter()
-        _build_cache(gguf, cache, source, km)
+        build_cache(cache, source, lambda folder: _convert_gguf(gguf, folder, km))
         converted = True
         _log(f"converted in {time.perf_counter() - tc:.1f} s")
     try:
@@ -600,7 +454,7 @@ def load_model(
                       RuntimeWarning, stacklevel=2)
         _log(f"converting {gguf.name} to a float32 safetensors cache once (about a minute) -> {cache}")
         shutil.rmtree(cache, ignore_errors=True)
-        _build_cache(gguf, cache, source, km)
+        build_cache(cache, source, lambda folder: _convert_gguf(gguf, folder, km))
         converted = True
         model, tok = _load_hf_folder(cache, dtype, cache_hint=cache_hint)
     template = _finalize(model, tok, dtype, km)

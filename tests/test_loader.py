@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from specgraph.runtime import loader
+from specgraph.runtime import loader, model_cache
 from specgraph.runtime.loader import KNOWN_MODELS, cache_path_for, load_model
 
 NAME = "smollm2-135m-instruct"
@@ -203,7 +203,7 @@ def test_corrupt_cache_is_rebuilt_with_warning(smol, tmp_path, monkeypatch):
     with pytest.warns(RuntimeWarning, match="unusable"):
         m, _ = load_model(NAME, cache_dir=tmp_path)
     assert len(calls) == 1 and m.specgraph_load_info.converted
-    assert loader._cache_problem(tmp_path / NAME, json.loads((good / loader.META_FILE).read_text())["source"]) is None
+    assert model_cache.cache_problem(tmp_path / NAME, json.loads((good / loader.META_FILE).read_text())["source"]) is None
     assert [p.name for p in tmp_path.iterdir()] == [NAME]
     m2, _ = load_model(NAME, cache_dir=tmp_path)
     assert m2.specgraph_load_info.from_cache and len(calls) == 1
