@@ -465,11 +465,16 @@ class SpeculationController:
         self.trees.pop(request_id, None)
 
 
-def measure_forward_cost(run: Callable[[int], None], sizes: Sequence[int], repeats: int = 3) -> ForwardCost:
+def measure_forward_cost(run: Callable[[int], None], sizes: Sequence[int], repeats: int = 7) -> ForwardCost:
     """Time ``run(n)`` (one target forward of ``n`` stream tokens) for each size: one warm-up call each,
     then ``repeats`` rounds over all the sizes, keeping each size's best. Rounds, not one size's repeats
     in a row: a slow spell of the machine then slows a round, not the sizes measured during it, which
-    would bend the shape for good (:class:`ForwardCost` learns only the overall speed)."""
+    would bend the shape for good (:class:`ForwardCost` learns only the overall speed). Seven rounds,
+    not three: three read 3 and 4 tokens of one static graph 14% and 20% dearer than 2 on one build,
+    and in a simulation of slow spells (``benchmarks/simulate_cost_timing.py``: 30% of the time 1.4x
+    slow, 3% timing noise) their shape was 27% off in one build of ten, seven rounds' 3%. The median
+    ratio of each size to a 1-token forward run just before it did worse than seven rounds' best in
+    every spell model simulated: both of its timings carry noise."""
     for n in sizes:
         run(n)
     best = dict.fromkeys(sizes, float("inf"))
