@@ -9,7 +9,11 @@ Classes: {code, chat} x {batch 1, batch 4} x {greedy, temperature 0.8}; every cl
 prompts (batch 1: one after another; batch 4: one ``generate`` of all 4), ``--new-tokens`` each
 with EOS ignored, so every setting makes the same number of tokens. Each generate call (a unit)
 runs under every setting back to back, the order rotating from unit to unit, for ``--repeats``
-rounds; a class's time sums each unit's fastest run. Settings:
+rounds; a batch-4 class (one unit) runs its unit 4 times per round, so every class has as many
+runs. A class's time sums each unit's fastest run. Beside that, adaptive is compared with each
+fixed setting pair by pair (the two runs of one unit in one round ran back to back): the
+geometric mean of their ratios with a 90% bootstrap interval over the pairs, so a verdict can be
+told from noise. Settings:
   - ``none``                 no speculation, on an Engine built without a draft,
   - ``P off``                proposer P's Engine with every request's drafts capped at 0: the same
                              engine as P's other rows (step plan, compiled step sizes, cost table
@@ -34,6 +38,8 @@ from __future__ import annotations
 
 import argparse
 import gc
+import math
+import random
 import sys
 import time
 from pathlib import Path
@@ -92,14 +98,30 @@ def run_unit(engine, adaptive: bool, k: int, tree: str | None, cap: int | None, 
                 speculated=s.get("verify_steps", 0), drafted=s.get("draft_tokens", 0))
 
 
-def combine(units: list[dict]) -> dict:
-    """A class's figures from its units' fastest runs."""
+def combine(units: list[list[dict]]) -> dict:
+    """A class's figures from its units' fastest runs (``units[u]``: unit u's run in each round)."""
+    units = [min(rounds, key=lambda r: r["seconds"]) for rounds in units]
     total = {key: sum(u[key] for u in units) for key in ("tokens", "seconds", "decode_forwards", "emitted",
                                                          "speculated", "drafted")}
     forwards, spec = total["decode_forwards"], total["speculated"]
     return dict(tokens=total["tokens"], seconds=total["seconds"], outputs=[o for u in units for o in u["outputs"]],
                 speculated=spec / forwards if forwards else 0.0, mean_draft=total["drafted"] / spec if spec else 0.0,
                 tokens_per_forward=total["emitted"] / forwards if forwards else 1.0)
+
+
+def paired_speedup(fast: list[list[dict]], slow: list[list[dict]], draws: int = 4000) -> tuple[float, float, float]:
+    """How much faster setting ``fast`` ran than ``slow`` in one class, from paired runs: every unit ran
+    every setting back to back in each round, so the ratio of their seconds in that unit and round
+    cancels whatever the machine was doing then. Returns the geometric mean over (unit, round) and
+    a 90% bootstrap interval over those pairs."""
+    logs = [math.log(s["seconds"] / f["seconds"]) for fu, su in zip(fast, slow) for f, s in zip(fu, su)]
+    rng = random.Random(0)
+    means = sorted(sum(rng.choice(logs) for _ in logs) / len(logs) for _ in range(draws))
+    return (math.exp(sum(logs) / len(logs)), math.exp(means[int(0.05 * draws)]), math.exp(means[int(0.95 * draws) - 1]))
+
+
+def fmt_interval(r: tuple[float, float, float]) -> str:
+    return f"{r[0]:.2f} [{r[1]:.2f}-{r[2]:.2f}]"
 
 
 def main(argv=None) -> int:
@@ -136,25 +158,24 @@ def main(argv=None) -> int:
         run_unit(engines[name], adaptive, k, tree, cap, warm, 0.0, 8, 0)
 
     classes = [(g, b, t) for g in groups for b in BATCHES for t in TEMPERATURES]
-    best: dict[tuple, dict[str, list[dict]]] = {}  # class -> setting -> each unit's fastest run
-    turn = 0
+    runs_of: dict[tuple, dict[str, list[list[dict]]]] = {}  # class -> setting -> unit -> its run in each round
+    turn, t_start = 0, time.perf_counter()
     for rnd in range(args.repeats):
         for c in classes:
             g, b, t = c
             units = [groups[g][i:i + b] for i in range(0, len(groups[g]), b)]
-            for u, prompts in enumerate(units):
+            # every class gets PROMPTS_PER_CLASS pairs per round: a batch-4 class runs its one unit 4 times
+            for u, prompts in [(u, p) for _ in range(PROMPTS_PER_CLASS // len(units)) for u, p in enumerate(units)]:
                 shift = turn % len(settings)
                 order = settings[shift:] + settings[:shift]
                 turn += 1
                 for label, name, adaptive, k, tree, cap in (order if turn % 2 else order[::-1]):
                     r = run_unit(engines[name], adaptive, k, tree, cap, prompts, t, args.new_tokens, seed=u)
-                    runs = best.setdefault(c, {}).setdefault(label, [None] * len(units))
-                    if runs[u] is None or r["seconds"] < runs[u]["seconds"]:
-                        runs[u] = r
-            log(f"round {rnd} {g} b{b} t{t}: " + ", ".join(
-                f"{label} {combine(best[c][label])['tokens'] / combine(best[c][label])['seconds']:.1f}"
+                    runs_of.setdefault(c, {}).setdefault(label, [[] for _ in units])[u].append(r)
+            log(f"round {rnd} {g} b{b} t{t} ({time.perf_counter() - t_start:.0f} s): " + ", ".join(
+                f"{label} {combine(runs_of[c][label])['tokens'] / combine(runs_of[c][label])['seconds']:.1f}"
                 for label, *_ in settings) + " tok/s so far")
-    results = {c: {label: combine(runs) for label, runs in per.items()} for c, per in best.items()}
+    results = {c: {label: combine(runs) for label, runs in per.items()} for c, per in runs_of.items()}
 
     labels = [s[0] for s in settings]
     fixed = [s[0] for s in settings if not s[2]]
@@ -175,7 +196,7 @@ def main(argv=None) -> int:
         return sum(results[c][label]["tokens"] for c in classes) / sum(results[c][label]["seconds"] for c in classes)
 
     best_mix = max(fixed, key=mix)
-    summary = []
+    summary, paired = [], []
     for p in args.proposers:
         a = f"{p} adaptive"
         for c in classes:
@@ -185,12 +206,22 @@ def main(argv=None) -> int:
                             fmt(rate(r) / rate(results[c]["none"]), ".2f"),
                             fmt(rate(r) / rate(results[c][f"{p} off"]), ".2f"), f"{r['speculated']:.0%}",
                             fmt(r["mean_draft"], ".2f"), fmt(r["tokens_per_forward"], ".2f")])
+            against = {lab: paired_speedup(runs_of[c][a], runs_of[c][lab]) for lab in fixed if lab == "none" or
+                       lab.startswith(f"{p} ")}
+            worst = min(against, key=lambda lab: against[lab][0])
+            paired.append([a, col(c), fmt_interval(against[best]), f"{worst}: {fmt_interval(against[worst])}",
+                           fmt_interval(against["none"]), fmt_interval(against[f"{p} off"])])
         summary.append([a, "mix", best_mix, fmt(mix(a) / mix(best_mix), ".2f"), fmt(mix(a) / mix("none"), ".2f"),
                         fmt(mix(a) / mix(f"{p} off"), ".2f"), "", "", ""])
     lines += ["", "adaptive against the best fixed setting of each class, against none, and against its own "
-              "engine with drafts off", "",
+              "engine with drafts off (each unit's fastest run)", "",
               format_table(["setting", "class", "best fixed", "vs best", "vs none", "vs off", "speculated",
-                            "mean k", "tok/forward"], summary, right={3, 4, 5, 6, 7, 8})]
+                            "mean k", "tok/forward"], summary, right={3, 4, 5, 6, 7, 8}),
+              "", f"paired: adaptive's speed over a fixed setting, the geometric mean over (unit, round) of their "
+              f"seconds' ratio in the same unit and round, with a 90% bootstrap interval over those "
+              f"{args.repeats * PROMPTS_PER_CLASS} pairs per class", "",
+              format_table(["setting", "class", "vs best fixed", "worst fixed", "vs none", "vs off"], paired,
+                           right={2, 4, 5})]
     mismatches = [f"{label} on {col(c)}" for c in classes if c[2] == 0 for label in labels
                   if results[c][label]["outputs"] != results[c]["none"]["outputs"]]
     lines += ["", f"greedy tokens equal to none's: {'all settings, all classes' if not mismatches else 'NO: ' + ', '.join(mismatches)}"]
@@ -202,7 +233,9 @@ def main(argv=None) -> int:
     lines.append("engine build s: " + ", ".join(f"{k} {v:.0f}" for k, v in build_s.items()))
     report = dict(config=vars(args), cpu=cpu_description(), classes=[col(c) for c in classes],
                   results={col(c): {lab: {k: v for k, v in r.items() if k != "outputs"} for lab, r in results[c].items()}
-                           for c in classes}, greedy_mismatches=mismatches)
+                           for c in classes}, greedy_mismatches=mismatches,
+                  seconds={col(c): {lab: [[r["seconds"] for r in unit] for unit in units] for lab, units in per.items()}
+                           for c, per in runs_of.items()})
     print_report(lines, report, args.json)
     return 1 if mismatches else 0
 
