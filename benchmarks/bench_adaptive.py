@@ -1,7 +1,7 @@
 """Adaptive speculation against fixed settings on a mixed workload, in one run.
 
     python benchmarks/bench_adaptive.py                       # held-out prompts, ngram and layer_skip:8, 3 rounds
-    python benchmarks/bench_adaptive.py --proposers ngram,eagle --repeats 2   # the RESULTS.md run (51 minutes)
+    python benchmarks/bench_adaptive.py --proposers ngram --repeats 3   # the latest RESULTS.md run (29 minutes)
     python benchmarks/bench_adaptive.py --prompt-set tuning   # the prompts the controller was checked on
     python benchmarks/bench_adaptive.py --quick               # smoke test: 24 tokens, ngram only, k in {2, 4}
 

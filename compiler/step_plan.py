@@ -4,8 +4,9 @@
 :meth:`~.inductor.StepGraphs.keep_faster_buckets` then times whole steps and drops the wide
 buckets that do not pay, and :meth:`~.inductor.StepGraphs.measure_padding` picks the dynamic
 graph's padding. Their outcome is one :class:`StepPlan`, kept per machine beside the program's
-graph-cache entry (:func:`load_plan`, :func:`save_plan`), so later builds compile only the graphs
-that were kept and every engine of a process runs the same plan.
+graph-cache entry (:func:`load_plan`, :func:`save_plan`), so later builds of the same program (model
+and options) on this kind of CPU compile only the graphs that were kept, skip the timings, and run
+the same plan.
 """
 from __future__ import annotations
 
