@@ -206,8 +206,7 @@ def main(argv=None) -> int:
                             fmt(rate(r) / rate(results[c]["none"]), ".2f"),
                             fmt(rate(r) / rate(results[c][f"{p} off"]), ".2f"), f"{r['speculated']:.0%}",
                             fmt(r["mean_draft"], ".2f"), fmt(r["tokens_per_forward"], ".2f")])
-            against = {lab: paired_speedup(runs_of[c][a], runs_of[c][lab]) for lab in fixed if lab == "none" or
-                       lab.startswith(f"{p} ")}
+            against = {lab: paired_speedup(runs_of[c][a], runs_of[c][lab]) for lab in fixed}  # every proposer's
             worst = min(against, key=lambda lab: against[lab][0])
             paired.append([a, col(c), fmt_interval(against[best]), f"{worst}: {fmt_interval(against[worst])}",
                            fmt_interval(against["none"]), fmt_interval(against[f"{p} off"])])
