@@ -192,7 +192,7 @@ class StepGraphs:
     def keep_faster_buckets(self, run_padding_step: Callable[[object], None], repeats: int = 7) -> str:
         """Time each wide bucket's static step against the dynamic graph at the sizes it would serve
         (past the kept bucket below it; every row wanting logits, as in a verify), interleaved, best
-        of ``repeats`` (five once dropped a 4-token graph that four other builds kept by 9-21%).
+        of ``repeats`` (five once dropped a 4-token graph that four other builds kept by 8-22%).
         From the narrowest up, a bucket whose step is not 5% under the mean of those is dropped (a
         wider one then serves its sizes too). Returns what it measured and chose."""
         from .program import StepShape
