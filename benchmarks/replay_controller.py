@@ -11,8 +11,9 @@ temperature 0.8. ``--replay`` runs each class (code/chat x batch 1/4 x greedy/t0
 speculation, fixed k, and the controller, each through the engine's own drafting code
 (``runtime/drafting.py``'s Speculation with the n-gram proposer). Only the target is modelled: a
 forward costs ``--costs`` (ms at each bucket's largest size, steps in between), and a draft keeps
-its match with the recorded tokens: exactly what greedy verification keeps, and under sampling a
-one-hot draft token matches with the target's probability of it, as rejection sampling accepts it.
+its match with the recorded tokens: exactly what verification keeps, greedy or sampled (the engine
+keeps a deterministic draft while it equals the target's own draw, and a recorded sample stands for
+those draws).
 The machine's speed drifts as a shared VM's does: slow periods (``--slow``: the share of steps in
 them, ``--slow-factor`` their cost, ``--period`` their mean length in steps) cost every policy real
 time; the controller's build-time table is measured with noise (``--table-noise``), and the costs

@@ -28,9 +28,10 @@ two ways:
 
 * **shadow drafts**, where drafting is cheap and touches no cache (n-gram lookup): the proposer
   is asked anyway, the draft is not verified, and as the target's tokens arrive the draft is
-  scored against them. Under greedy decoding that is exactly what verification would have
-  accepted; under sampling a one-hot draft token is accepted with the target's probability of
-  it, which is the chance the sampled token equals it. So the estimate stays current for free.
+  scored against them. That is exactly what verification would have kept, greedy or sampled: a
+  verify keeps a deterministic draft while it equals the target's own draw at each position
+  (``sampling.PositionNoise``), and those draws are the tokens that arrive. So the estimate stays
+  current for free.
 * **probes** otherwise: after ``probe_interval`` decode steps without drafts the sequence is given
   ``probe_length`` drafts anyway; each probe after which drafts still do not pay for the sequence
   on its own (a hit now and then is not enough when a draft position is dear) doubles the wait.

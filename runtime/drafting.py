@@ -26,7 +26,7 @@ from .controller import SpeculationController, cost_sizes, measure_forward_cost
 from .kv_manager import KVCacheManager
 from .proposers.base import Draft, DraftRequest
 from .rejection import verify_greedy, verify_sampling
-from .sampling import SamplingParams, probabilities
+from .sampling import PositionNoise, SamplingParams, probabilities
 from .token_tree import TreeShape, chain_in_tree, verify_tree_greedy, verify_tree_sampling
 from .scheduler import Request, ScheduledChunk
 
@@ -78,19 +78,23 @@ def measure_target_cost(program: DecoderProgram, kv: KVCacheManager, kv_cache, p
             kv.free(sid)
 
 
-def verify_draft(draft: Draft, logits: torch.Tensor, params: SamplingParams,
-                 generator: torch.Generator | None) -> tuple[list[int], list[int]]:
-    """Accepted drafts + one target token (lossless: greedy match, or rejection sampling for a chain and
-    recursive rejection over siblings for a tree), and the verify-step nodes of the accepted drafts
-    (``1..a`` for a chain; a root path for a tree). ``logits [1 + len(draft), V]``: row ``m`` after node ``m``."""
+def verify_draft(draft: Draft, logits: torch.Tensor, params: SamplingParams, noise: PositionNoise | None,
+                 position: int) -> tuple[list[int], list[int]]:
+    """Accepted drafts + one target token, lossless (greedy match; sampled: the target's own draws at output
+    positions ``position`` on, or rejection sampling for a sampled chain), and the verify-step nodes of the
+    accepted drafts (``1..a`` for a chain; a root path for a tree). ``logits [1 + len(draft), V]``: row ``m``
+    after node ``m``."""
+    n = len(draft.token_ids)
     if draft.parents is not None:
         if params.greedy:
             return verify_tree_greedy(draft.token_ids, draft.parents, logits)
-        return verify_tree_sampling(draft.token_ids, draft.parents, probabilities(logits, params), generator)
+        return verify_tree_sampling(draft.token_ids, draft.parents, probabilities(logits, params),
+                                    noise.draws(position, n + 1))
     if params.greedy:
         tokens = verify_greedy(draft.token_ids, logits)
     else:
-        tokens = verify_sampling(draft.token_ids, draft.probs, probabilities(logits, params), generator)
+        tokens = verify_sampling(draft.token_ids, draft.probs, probabilities(logits, params),
+                                 noise.draws(position, n + 1), noise.coins(position, n))
     return tokens, list(range(1, len(tokens)))
 
 

@@ -22,7 +22,7 @@ from ..kernels.hot_cold import demote_blocks, hot_tensors
 from .kv_manager import KVCacheManager
 from .kv_pool import pool_sizes
 from .proposers.base import Draft
-from .sampling import SamplingParams, sample, token_logprobs
+from .sampling import PositionNoise, SamplingParams, sample, token_logprobs
 from .scheduler import Request, Scheduler
 from .token_tree import keep_path, parse_tree
 
@@ -336,7 +336,8 @@ class Engine:
     def _new_requests(self, ids: list[int], max_new_tokens: int, temperature: float, top_p: float, top_k: int,
                       seed: int, stop: Sequence[str] | None, n: int, ignore_eos: bool,
                       num_draft_tokens: int | None) -> list[Request]:
-        """``n`` samples of one prompt; sample ``j`` samples with a generator seeded ``seed + j``."""
+        """``n`` samples of one prompt; sample ``j`` draws its tokens from ``PositionNoise(seed + j)`` (a draft
+        model's samples from a generator seeded ``seed + j``)."""
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1; got {max_new_tokens}")
         if n < 1:
@@ -347,8 +348,9 @@ class Engine:
         requests: list[Request] = []
         for j in range(n):
             gen = None if params.greedy else torch.Generator().manual_seed(seed + j)
+            noise = None if params.greedy else PositionNoise(seed + j)
             r = Request(self._new_id(), list(ids), max_new_tokens, params, gen, tuple(stop or ()), ignore_eos,
-                        num_draft_tokens=num_draft_tokens, parent=requests[0] if requests else None)
+                        num_draft_tokens=num_draft_tokens, parent=requests[0] if requests else None, noise=noise)
             self.scheduler.check_fits(r)
             requests.append(r)
         return requests
@@ -527,7 +529,7 @@ class Engine:
                 r.num_computed = c.start + len(new_tokens)
                 self.kv.truncate(rid, r.num_computed)
             else:
-                new_tokens = [sample(logits[row], r.params, r.generator)] if rows else []
+                new_tokens = [sample(logits[row], r.params, r.noise, len(r.output_ids))] if rows else []
                 if hidden is not None:
                     self.speculation.on_features(rid, c.start, hidden[offset - fed:offset - fed + c.num_tokens])
             row += len(rows)
@@ -554,7 +556,7 @@ class Engine:
     def _verify(self, r: Request, draft: Draft, logits: torch.Tensor) -> tuple[list[int], list[int]]:
         """Accepted drafts + one target token (lossless: greedy match or rejection sampling), and the step
         nodes of the accepted drafts (1..a for a chain; a root path for a tree)."""
-        tokens, path = verify_draft(draft, logits, r.params, r.generator)
+        tokens, path = verify_draft(draft, logits, r.params, r.noise, len(r.output_ids))
         self._stats.count_verify(len(draft.token_ids), draft.parents is not None, len(tokens))
         return tokens, path
 

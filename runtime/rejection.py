@@ -18,16 +18,19 @@ output
     ``accepted + [recovered or bonus]``: always ``1 .. k + 1`` tokens, so every
     verification step makes progress even with an empty or useless draft.
 
-Sampling follows speculative sampling (Leviathan et al., arXiv 2211.17192, Algorithm 1;
-Chen et al., arXiv 2302.01318, Algorithm 2): keep draft token ``x ~ q`` with probability
-``min(1, p(x) / q(x))``; on rejection draw from the residual. Each emitted token is then
-distributed exactly as the target's ``p``, whatever ``q`` is; a good ``q`` only makes
-acceptance likelier. A deterministic proposal (n-gram lookup) is the one-hot ``q``: keep
-``x`` with probability ``p(x)``, otherwise draw from ``p`` with ``x`` removed.
+Sampling with a deterministic draft (n-gram lookup: a one-hot ``q``) draws each row's token
+from ``p_i`` with position ``i``'s own uniform (:class:`~.sampling.PositionNoise`) and keeps draft
+``x_i`` while the draw equals it: exactly the tokens plain decoding draws from the same uniforms,
+and ``x_i`` is kept with probability ``p_i(x_i)``, as rejection sampling with a one-hot ``q`` keeps
+it. A sampled draft (``x ~ q``) follows speculative sampling (Leviathan et al., arXiv 2211.17192,
+Algorithm 1; Chen et al., arXiv 2302.01318, Algorithm 2): keep ``x`` with probability
+``min(1, p(x) / q(x))`` (the position's coin); on rejection draw from the residual (the position's
+draw uniform). Each emitted token is then distributed exactly as the target's ``p``, whatever ``q``
+is; a good ``q`` only makes acceptance likelier.
 
-All functions are pure: the only state they touch is the caller's ``torch.Generator``,
-so a request seeded the same way replays the same tokens. Batched callers that need a
-fixed-width tensor pad with :data:`PLACEHOLDER_TOKEN_ID` via :func:`pad_outputs`.
+All functions are pure: the uniforms come from the caller, so a request seeded the same way
+replays the same tokens. Batched callers that need a fixed-width tensor pad with
+:data:`PLACEHOLDER_TOKEN_ID` via :func:`pad_outputs`.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from collections.abc import Callable
 
 import torch
 
-from .sampling import SamplingParams, probabilities
+from .sampling import PositionNoise, SamplingParams, draw_token, probabilities
 
 PLACEHOLDER_TOKEN_ID = -1  # fills the slots after a sequence's output in padded tensors
 
@@ -90,10 +93,11 @@ def verify_sampling(
     draft_tokens: list[int],
     draft_probs: torch.Tensor | None,
     target_probs: torch.Tensor,
-    generator: torch.Generator,
+    draws: list[float],
+    coins: list[float],
     accept_rule: AcceptRule | None = None,
 ) -> list[int]:
-    """Speculative sampling of one sequence's draft (arXiv 2211.17192, 2302.01318).
+    """Lossless sampled verification of one sequence's draft (see the module docstring).
 
     Parameters
     ----------
@@ -103,46 +107,47 @@ def verify_sampling(
         ``[k, V]`` draft distributions ``q_i``; ``None``: deterministic draft (one-hot ``q``).
     target_probs : Tensor
         ``[k + 1, V]`` target distributions ``p_i`` (after temperature/top-k/top-p).
-    generator : torch.Generator
-        The only source of randomness: exactly ``k + 1`` uniforms are drawn from it per
-        call, whatever the outcome. It may live on another device than ``target_probs``
-        (e.g. a per-request CPU generator with CUDA probabilities).
+    draws, coins : list[float]
+        The ``k + 1`` draw and ``k`` coin uniforms of the positions the rows decide (the only
+        randomness; a deterministic draft reads no coin).
     accept_rule : callable, optional
-        ``(p(x), q(x)) -> keep probability``; default :func:`accept_probability`.
-        Tests inject wrong rules here to check that the statistical test has power.
+        ``(p(x), q(x)) -> keep probability``: verify by rejection with this rule, also for a
+        deterministic draft (default: :func:`accept_probability` for sampled drafts). Tests
+        inject wrong rules here to check that the statistical test has power.
 
     Returns
     -------
     list[int]
-        ``1 .. k + 1`` tokens; the ``i``-th is distributed as ``p_i`` when the target rows
-        do not depend on the drafted prefix (and in general, as the target's conditional).
+        ``1 .. k + 1`` tokens; the ``i``-th is distributed as the target's conditional ``p_i``.
 
     Example
     -------
     >>> p = torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 1.0]])  # the target is certain
-    >>> verify_sampling([1], None, p, torch.Generator().manual_seed(0))
-    [1, 2]
-    >>> verify_sampling([0], None, p, torch.Generator().manual_seed(0))
-    [1]
+    >>> verify_sampling([1], None, p, [0.3, 0.8], [0.5]), verify_sampling([0], None, p, [0.3, 0.8], [0.5])
+    ([1, 2], [1])
     """
     k = len(draft_tokens)
     assert target_probs.ndim == 2 and target_probs.shape[0] == k + 1, (
         f"target_probs must be [k + 1 = {k + 1}, V]; got {tuple(target_probs.shape)}"
     )
+    assert len(draws) >= k + 1 and len(coins) >= k, f"need {k + 1} draws and {k} coins"
+    if draft_probs is None and accept_rule is None:  # the target's own draws decide (plain decoding's tokens)
+        out: list[int] = []
+        for i in range(k + 1):
+            out.append(draw_token(target_probs[i], draws[i]))
+            if i == k or out[-1] != draft_tokens[i]:
+                return out
     if draft_probs is not None:
         assert draft_probs.shape == (k, target_probs.shape[1]), (
             f"draft_probs must be [k = {k}, V = {target_probs.shape[1]}]; got {tuple(draft_probs.shape)}"
         )
     rule = accept_probability if accept_rule is None else accept_rule
-    # k + 1 uniforms, always: k accept/reject coins + 1 for the recovered or bonus draw, so
-    # the generator advances by the same amount whatever the outcome.
-    uniforms = torch.rand(k + 1, dtype=torch.float64, generator=generator, device=generator.device).tolist()
     if k:
         index = torch.tensor(draft_tokens, device=target_probs.device).view(k, 1)  # [k, 1]
         p_draft = target_probs[:k].gather(1, index).view(k).tolist()  # [k] p_i(x_i)
         q_draft = [1.0] * k if draft_probs is None else draft_probs.gather(1, index).view(k).tolist()
     for i in range(k):
-        if uniforms[i] < rule(p_draft[i], q_draft[i]):
+        if coins[i] < rule(p_draft[i], q_draft[i]):
             continue  # accepted
         p = target_probs[i]  # [V]
         if draft_probs is None:
@@ -152,9 +157,9 @@ def verify_sampling(
             residual = (p - draft_probs[i]).clamp_(min=0.0)
         # An all-zero residual means p <= q everywhere, i.e. p == q up to rounding:
         # rejection then has probability ~0, and p itself is the right distribution.
-        recovered = _draw(residual, uniforms[k]) if float(residual.sum()) > 0.0 else _draw(p, uniforms[k])
+        recovered = draw_token(residual, draws[i]) if float(residual.sum()) > 0.0 else draw_token(p, draws[i])
         return draft_tokens[:i] + [recovered]
-    return draft_tokens + [_draw(target_probs[k], uniforms[k])]  # all accepted + bonus
+    return draft_tokens + [draw_token(target_probs[k], draws[k])]  # all accepted + bonus
 
 
 def verify(
@@ -162,17 +167,21 @@ def verify(
     draft_probs: torch.Tensor | None,
     target_logits: torch.Tensor,
     params: SamplingParams,
-    generator: torch.Generator | None,
+    noise: PositionNoise | None,
+    position: int,
 ) -> list[int]:
-    """Greedy or sampled verification of ``target_logits [k + 1, V]``, as ``params`` asks.
+    """Greedy or sampled verification of ``target_logits [k + 1, V]``, as ``params`` asks; the rows
+    decide output positions ``position .. position + k`` (``noise`` may be ``None`` only when greedy).
 
     ``draft_probs [k, V]`` must come from the same ``params`` for the sampled case to be
-    efficient (any ``q`` is *correct*). ``generator`` may be ``None`` only when greedy.
+    efficient (any ``q`` is *correct*).
     """
     if params.greedy:
         return verify_greedy(draft_tokens, target_logits)
-    assert generator is not None, "sampled verification needs a generator"
-    return verify_sampling(draft_tokens, draft_probs, probabilities(target_logits, params), generator)
+    assert noise is not None, "sampled verification needs the request's PositionNoise"
+    k = len(draft_tokens)
+    return verify_sampling(draft_tokens, draft_probs, probabilities(target_logits, params),
+                           noise.draws(position, k + 1), noise.coins(position, k))
 
 
 def pad_outputs(outputs: list[list[int]], width: int) -> torch.Tensor:
@@ -182,16 +191,3 @@ def pad_outputs(outputs: list[list[int]], width: int) -> torch.Tensor:
         assert len(tokens) <= width, f"output of {len(tokens)} tokens does not fit width {width}"
         padded[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.int64)
     return padded
-
-
-def _draw(weights: torch.Tensor, u: float) -> int:
-    """Inverse-CDF draw from unnormalised ``weights [V]`` (>= 0, positive sum) with ``u ~ U[0, 1)``.
-
-    Zero-weight tokens are never drawn: ``searchsorted(right=True)`` returns the first index
-    whose cumulative weight exceeds ``u * total``, and a zero weight does not raise it.
-    """
-    cdf = weights.double().cumsum(0)  # [V]
-    index = int(torch.searchsorted(cdf, cdf[-1:] * u, right=True))
-    if index >= cdf.shape[0]:  # u * total rounded up to total: take the last token with weight
-        index = int(torch.nonzero(weights).max())
-    return index

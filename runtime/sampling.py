@@ -1,4 +1,11 @@
-"""Token sampling: greedy, temperature, top-k, top-p, with per-request generators."""
+"""Token sampling: greedy, temperature, top-k, top-p, with each request's random numbers keyed by position.
+
+A sampled request draws the token at output position ``j`` by inverse CDF from a uniform that belongs
+to ``j`` alone (:class:`PositionNoise`). Plain decoding and a verify step that keeps ``a`` drafts read
+the same uniforms for the same positions, so with deterministic drafts (n-gram lookup, a tree's
+candidates) the verify emits exactly the tokens plain decoding would have: a seeded sampled request
+gives the same text with or without speculation, whatever length the controller picks, as greedy does.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -47,11 +54,60 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return probs
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """One token from ``logits [V]``."""
+class PositionNoise:
+    """A sampled request's uniforms by output position (0: its first new token): position ``j`` has one
+    for the token drawn there (:meth:`draws`) and one for an accept-or-reject coin (:meth:`coins`), the
+    same however the request's steps split its positions and whatever else it drew (a draft model's own
+    samples use the request's ``generator``, a separate stream). ``seed`` is mixed (splitmix64) before
+    seeding, so a generator seeded with the same number is not the same stream."""
+
+    BLOCK = 64  # positions drawn at a time
+
+    def __init__(self, seed: int):
+        self._gen = torch.Generator().manual_seed(_splitmix64(seed))
+        self._pairs: list[list[float]] = []  # [draw, coin] per position
+
+    def _fill(self, end: int) -> None:
+        while len(self._pairs) < end:
+            self._pairs += torch.rand(self.BLOCK, 2, dtype=torch.float64, generator=self._gen).tolist()
+
+    def draws(self, start: int, count: int) -> list[float]:
+        """The draw uniforms of positions ``start .. start + count - 1``."""
+        self._fill(start + count)
+        return [pair[0] for pair in self._pairs[start:start + count]]
+
+    def coins(self, start: int, count: int) -> list[float]:
+        """The coin uniforms of positions ``start .. start + count - 1``."""
+        self._fill(start + count)
+        return [pair[1] for pair in self._pairs[start:start + count]]
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return x ^ (x >> 31)
+
+
+def draw_token(weights: torch.Tensor, u: float) -> int:
+    """Inverse-CDF draw from unnormalised ``weights [V]`` (>= 0, positive sum) with ``u ~ U[0, 1)``.
+
+    Zero-weight tokens are never drawn: ``searchsorted(right=True)`` returns the first index
+    whose cumulative weight exceeds ``u * total``, and a zero weight does not raise it.
+    """
+    cdf = weights.double().cumsum(0)  # [V]
+    index = int(torch.searchsorted(cdf, cdf[-1:] * u, right=True))
+    if index >= cdf.shape[0]:  # u * total rounded up to total: take the last token with weight
+        index = int(torch.nonzero(weights).max())
+    return index
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, noise: PositionNoise | None, position: int) -> int:
+    """The token at output ``position`` from ``logits [V]``: the argmax, or the draw of the position's uniform."""
     if params.greedy:
         return int(torch.argmax(logits))
-    return int(torch.multinomial(probabilities(logits, params), 1, generator=generator))
+    assert noise is not None, "a sampled request needs its PositionNoise"
+    return draw_token(probabilities(logits, params), noise.draws(position, 1)[0])
 
 
 def token_logprobs(logits: torch.Tensor, token: int, top: int) -> tuple[float, list[tuple[int, float]]]:

@@ -43,7 +43,7 @@ from typing import Callable
 import torch
 
 from .kv_manager import KVCacheManager
-from .sampling import SamplingParams
+from .sampling import PositionNoise, SamplingParams
 
 
 @dataclass
@@ -54,7 +54,7 @@ class Request:
     prompt_ids: list[int]
     max_new_tokens: int
     params: SamplingParams
-    generator: torch.Generator | None = None
+    generator: torch.Generator | None = None  # a draft model's own samples
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     on_token: Callable[[int], None] | None = None  # called with each new token id (streaming)
@@ -68,6 +68,7 @@ class Request:
     finish_reason: str | None = None  # "stop", "length" or "abort"
     preemptions: int = 0
     arrival_time: float = field(default_factory=time.perf_counter)
+    noise: PositionNoise | None = None  # the uniforms the target's sampled tokens are drawn with, by position
     first_token_time: float | None = None  # seconds from arrival to the first new token
     decode_steps: int = 0  # target forwards that fed this sequence one token (+ its drafts)
     draft_lengths: dict[int, int] = field(default_factory=dict)  # drafts verified in a step -> such steps

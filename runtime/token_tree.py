@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels.hot_cold import hot_tensors
-from .rejection import _draw
+from .sampling import draw_token
 
 _FORMS = "'static:W1,W2,...' (top-W per level, e.g. 'static:4,2,1') or 'dynamic:N' (the N most confident nodes)"
 DYNAMIC_DEPTH = 6  # levels a dynamic tree may grow
@@ -220,58 +220,40 @@ def verify_tree_greedy(tokens: list[int], parents: list[int], target_logits: tor
     """
     assert target_logits.shape[0] == len(tokens) + 1, "target_logits must have one row per step node"
     argmax = target_logits.argmax(dim=-1).tolist()
+    return _walk(tokens, parents, lambda node, depth: argmax[node])
+
+
+def verify_tree_sampling(tokens: list[int], parents: list[int], target_probs: torch.Tensor,
+                         draws: list[float]) -> tuple[list[int], list[int]]:
+    """Lossless sampling over a token tree of deterministic candidates. ``target_probs [1 + len(tokens), V]``,
+    row ``m``: the target's distribution after step node ``m``; ``draws``: the draw uniforms of the output
+    positions from the step's first on (at least the tree's depth + 1).
+
+    From the root, draw the token of the next position from the node's row with that position's uniform
+    (as plain decoding would); if a child of the node carries that token, keep it and move there, else
+    emit the token and stop. Every emitted token is the target's own draw, so the output is exactly plain
+    decoding's from the same uniforms, and a node's children are kept with probability ``sum_j p(x_j)``,
+    as SpecInfer's recursive rejection over deterministic candidates keeps them.
+
+    Returns ``(emitted tokens, accepted step nodes)``, like :func:`verify_tree_greedy`.
+    """
+    assert target_probs.shape[0] == len(tokens) + 1, "target_probs must have one row per step node"
+    return _walk(tokens, parents, lambda node, depth: draw_token(target_probs[node], draws[depth]))
+
+
+def _walk(tokens: list[int], parents: list[int], target_token) -> tuple[list[int], list[int]]:
+    """From the root, take the target's token at each node (``target_token(node, depth)``) and move to the
+    child that carries it; stop at a node without one. Returns (the tokens taken, the nodes moved to)."""
     children = step_children(parents)
     node, out, path = 0, [], []
     while True:
-        want = argmax[node]
+        want = target_token(node, len(out))
         out.append(want)
         nxt = next((c for c in children[node] if tokens[c - 1] == want), None)
         if nxt is None:
             return out, path
         node = nxt
         path.append(node)
-
-
-def verify_tree_sampling(tokens: list[int], parents: list[int], target_probs: torch.Tensor, generator: torch.Generator,
-                         renormalize: bool = True) -> tuple[list[int], list[int]]:
-    """Lossless sampling over a token tree (multi-candidate recursive rejection, SpecInfer's rule for
-    deterministic candidates). ``target_probs [1 + len(tokens), V]``, row ``m``: the target's
-    distribution after step node ``m``.
-
-    At a node with target distribution ``p`` and children ``x_1..x_c`` (distinct tokens), try the
-    children in order: keep ``x_j`` with probability ``r(x_j) / sum(r)``, where ``r`` is ``p`` with
-    the children already rejected at this node set to 0; on keeping it, move to that child and repeat.
-    If every child is rejected (or there are none), draw the emitted token from ``r``, normalized.
-    Token ``y`` then comes out with probability ``p(y)``: for ``x_1`` that is ``p(x_1)``; for ``x_2``,
-    ``(1 - p(x_1)) * p(x_2) / (1 - p(x_1))``; for a token outside the children, the product of the
-    rejections, ``1 - sum_j p(x_j)``, times ``p(y) / (1 - sum_j p(x_j))``. So each emitted token is
-    distributed as the target's, whatever the draft proposed (the draft only changes how often the
-    children are right). ``renormalize=False`` (tests only) forgets the rejected siblings, a wrong
-    rule the chi-square test must catch.
-
-    Returns ``(emitted tokens, accepted step nodes)``, like :func:`verify_tree_greedy`.
-    """
-    assert target_probs.shape[0] == len(tokens) + 1, "target_probs must have one row per step node"
-    children = step_children(parents)
-    node, out, path = 0, [], []
-    while True:
-        residual = target_probs[node].double().clone()
-        moved = False
-        for c in children[node]:
-            x = tokens[c - 1]
-            total = float(residual.sum()) if renormalize else 1.0
-            u = float(torch.rand((), dtype=torch.float64, generator=generator, device=generator.device))
-            if total > 0 and u * total < float(residual[x]):
-                out.append(x)
-                path.append(c)
-                node, moved = c, True
-                break
-            residual[x] = 0.0
-        if moved:
-            continue
-        u = float(torch.rand((), dtype=torch.float64, generator=generator, device=generator.device))
-        out.append(_draw(residual, u) if float(residual.sum()) > 0 else _draw(target_probs[node].double(), u))
-        return out, path
 
 
 def keep_path(kv_cache: list[tuple[torch.Tensor, ...]], slots: list[int], path: list[int]) -> int:

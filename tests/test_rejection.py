@@ -20,7 +20,7 @@ from specgraph.runtime.rejection import (
     verify_greedy,
     verify_sampling,
 )
-from specgraph.runtime.sampling import SamplingParams, probabilities
+from specgraph.runtime.sampling import PositionNoise, SamplingParams, draw_token, probabilities, sample
 
 ALPHA = 1e-4  # a correct sampler passes each goodness-of-fit test with probability 1 - ALPHA
 V = 6
@@ -59,12 +59,12 @@ def test_verify_greedy_checks_shapes():
 
 def test_verify_dispatches_on_params():
     logits = logits_for([3, 1, 4, 0])
-    assert verify([3, 2, 4], None, logits, SamplingParams(temperature=0.0), None) == [3, 1]
+    assert verify([3, 2, 4], None, logits, SamplingParams(temperature=0.0), None, 0) == [3, 1]
     # Near-zero temperature: the target is (numerically) certain, so sampling == greedy.
-    g = torch.Generator().manual_seed(0)
-    assert verify([3, 1, 4], None, logits, SamplingParams(temperature=1e-3), g) == [3, 1, 4, 0]
-    assert verify([3, 2, 4], None, logits, SamplingParams(temperature=1e-3), g) == [3, 1]
-    assert verify([3, 1, 4], None, logits, SamplingParams(temperature=1.0, top_k=1), g) == [3, 1, 4, 0]
+    g = PositionNoise(0)
+    assert verify([3, 1, 4], None, logits, SamplingParams(temperature=1e-3), g, 0) == [3, 1, 4, 0]
+    assert verify([3, 2, 4], None, logits, SamplingParams(temperature=1e-3), g, 4) == [3, 1]
+    assert verify([3, 1, 4], None, logits, SamplingParams(temperature=1.0, top_k=1), g, 8) == [3, 1, 4, 0]
 
 
 def test_pad_outputs_uses_placeholder():
@@ -87,10 +87,16 @@ def test_certain_target():
     p = torch.eye(4)[[1, 2, 3]]  # [3, 4]: the target always wants 1, 2, 3
     g = torch.Generator().manual_seed(0)
     q = torch.full((2, 4), 0.25)
-    assert verify_sampling([1, 2], q, p, g) == [1, 2, 3]
-    assert verify_sampling([1, 0], q, p, g) == [1, 2]  # p(0) == 0: always rejected
-    assert verify_sampling([0, 2], None, p, g) == [1]
-    assert verify_sampling([], None, p[:1], g) == [1]
+    assert verify_sampling([1, 2], q, p, *uniforms(g, 2)) == [1, 2, 3]
+    assert verify_sampling([1, 0], q, p, *uniforms(g, 2)) == [1, 2]  # p(0) == 0: always rejected
+    assert verify_sampling([0, 2], None, p, *uniforms(g, 2)) == [1]
+    assert verify_sampling([], None, p[:1], *uniforms(g, 0)) == [1]
+
+
+def uniforms(g: torch.Generator, k: int) -> tuple[list[float], list[float]]:
+    """Fresh draw and coin uniforms for a verify of ``k`` drafts (``k + 1`` positions)."""
+    u = torch.rand(2, k + 1, dtype=torch.float64, generator=g).tolist()
+    return u[0], u[1][:k]
 
 
 def test_same_seed_same_outputs_and_no_global_rng():
@@ -100,8 +106,8 @@ def test_same_seed_same_outputs_and_no_global_rng():
 
     def run(seed: int, global_seed: int) -> list[list[int]]:
         torch.manual_seed(global_seed)  # the global RNG must not matter
-        g = torch.Generator().manual_seed(seed)
-        return [verify_sampling(d, q, p, g) for d in drafts]
+        noise = PositionNoise(seed)
+        return [verify_sampling(d, q, p, noise.draws(3 * i, K + 1), noise.coins(3 * i, K)) for i, d in enumerate(drafts)]
 
     first = run(0, 0)
     assert run(0, 123) == first
@@ -109,13 +115,36 @@ def test_same_seed_same_outputs_and_no_global_rng():
     assert {len(out) for out in first} == {1, 2, 3}
 
 
-def test_generator_advances_by_k_plus_one_uniforms_whatever_the_outcome():
-    p = torch.softmax(torch.randn(K + 1, V, generator=torch.Generator().manual_seed(6)), -1)
-    for draft in ([0, 1], [5, 5], [2, 3]):
-        g, twin = torch.Generator().manual_seed(9), torch.Generator().manual_seed(9)
-        verify_sampling(draft, None, p, g)
-        torch.rand(K + 1, dtype=torch.float64, generator=twin)
-        assert torch.equal(g.get_state(), twin.get_state())
+def test_position_noise_is_keyed_by_position_and_not_the_generators_stream():
+    a, b = PositionNoise(7), PositionNoise(7)
+    assert a.draws(0, 3) + a.draws(3, 200) == b.draws(0, 203)  # however the positions are asked for
+    assert a.coins(5, 2) == b.coins(5, 2) and a.draws(0, 4) != a.coins(0, 4)
+    same_seed = torch.rand(4, dtype=torch.float64, generator=torch.Generator().manual_seed(7)).tolist()
+    assert a.draws(0, 4) != same_seed and PositionNoise(8).draws(0, 4) != a.draws(0, 4)
+
+
+def test_deterministic_drafts_emit_plain_sampling_tokens():
+    """With a one-hot draft, a verify emits exactly what plain decoding draws at the same positions from the
+    same uniforms: whatever was drafted, the tokens do not change, only how many come per forward."""
+    g = torch.Generator().manual_seed(11)
+    params = SamplingParams(temperature=0.9, top_p=0.95)
+    for trial in range(300):
+        logits = torch.randn(K + 1, V, generator=g) * 2
+        noise, start = PositionNoise(trial), trial % 5
+        plain = [sample(logits[i], params, noise, start + i) for i in range(K + 1)]
+        draft = plain[:K] if trial % 3 == 0 else torch.randint(0, V, (K,), generator=g).tolist()
+        out = verify(draft, None, logits, params, noise, start)
+        assert out == plain[:len(out)]
+        agree = next((i for i in range(K) if draft[i] != plain[i]), K)
+        assert len(out) == agree + 1
+
+
+def test_draw_token_follows_the_weights():
+    w = random_probs(1, 21, zeros=2)[0] * 3.0  # unnormalised, with zeros
+    g = torch.Generator().manual_seed(22)
+    draws = [draw_token(w, u) for u in torch.rand(12_000, dtype=torch.float64, generator=g).tolist()]
+    assert chi2_pvalue(draws, w / w.sum()) > ALPHA
+    assert draw_token(torch.tensor([0.0, 2.0, 0.0]), 0.999999999) == 1
 
 
 # ----------------------------------------------------------------------------- distributions
@@ -156,7 +185,7 @@ def emitted_pvalues(p, q, draft_source, trials, seed, accept_rule=None) -> list[
     drafts = torch.multinomial(draft_source, trials, replacement=True, generator=torch.Generator().manual_seed(seed))
     drafts = drafts.T.tolist()  # [trials, K]
     g = torch.Generator().manual_seed(seed + 1)
-    outputs = [verify_sampling(d, q, p, g, accept_rule=accept_rule) for d in drafts]
+    outputs = [verify_sampling(d, q, p, *uniforms(g, K), accept_rule=accept_rule) for d in drafts]
     return [chi2_pvalue([out[i] for out in outputs if len(out) > i], p[i]) for i in range(K + 1)]
 
 
@@ -209,7 +238,7 @@ def test_verify_samples_from_processed_target():
     logits = torch.randn(2, V, generator=torch.Generator().manual_seed(7))
     params = SamplingParams(temperature=0.7, top_k=2)
     target = probabilities(logits, params)
-    g = torch.Generator().manual_seed(8)
-    outputs = [verify([t], None, logits, params, g) for t in range(V) for _ in range(100)]
+    noise = PositionNoise(8)
+    outputs = [verify([t], None, logits, params, noise, 2 * i) for i, t in enumerate(t for t in range(V) for _ in range(100))]
     first = [out[0] for out in outputs]
     assert chi2_pvalue(first, target[0]) > ALPHA

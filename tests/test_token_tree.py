@@ -1,12 +1,14 @@
-"""Token-tree speculation (runtime/token_tree.py): tree shapes, tree building, lossless verification (greedy
-and a chi-square test of the sampling rule with proven power), the cache kept for the accepted path, and the
-engine: greedy tree speculation equals plain greedy decoding for every proposer, static and dynamic trees."""
+"""Token-tree speculation (runtime/token_tree.py): tree shapes, tree building, lossless verification (greedy;
+sampled: a chi-square test, and every token equal to plain sampling's from the same uniforms), the cache kept
+for the accepted path, and the engine: greedy tree speculation equals plain greedy decoding for every
+proposer, static and dynamic trees."""
 import pytest
 import torch
 
 from specgraph.runtime.engine import Engine
 from specgraph.runtime.proposers.base import DraftRequest
 from specgraph.runtime.proposers.ngram import NgramProposer
+from specgraph.runtime.sampling import draw_token
 from specgraph.runtime.token_tree import (TreeBuilder, TreeShape, chain_in_tree, keep_path, parse_tree,
                                           verify_tree_greedy, verify_tree_sampling)
 from models import FAMILIES, make_family, random_prompts, uncached_greedy
@@ -85,26 +87,36 @@ TOKENS = [0, 1, 2, 3, 4, 5]  # root -> {0 -> {3, 4}, 1 -> {5}, 2}
 PARENTS = [-1, -1, -1, 0, 0, 1]
 
 
-def tree_outputs(renormalize: bool, trials: int, seed: int):
+def tree_outputs(trials: int, seed: int):
     g = torch.Generator().manual_seed(seed)
     w = torch.rand(len(TOKENS) + 1, V, generator=g) + 0.05
     p = w / w.sum(-1, keepdim=True)
-    gen = torch.Generator().manual_seed(seed + 1)
-    return p, [verify_tree_sampling(TOKENS, PARENTS, p, gen, renormalize=renormalize)[0] for _ in range(trials)]
+    u = torch.rand(trials, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(seed + 1)).tolist()
+    return p, [verify_tree_sampling(TOKENS, PARENTS, p, draws)[0] for draws in u]
 
 
 def test_tree_sampling_keeps_the_target_distribution():
     """First token ~ p(root); the second, after accepting node 1 (token 0) or node 2 (token 1), ~ that node's row."""
-    p, outs = tree_outputs(True, trials=12_000, seed=5)
+    p, outs = tree_outputs(trials=12_000, seed=5)
     assert chi2_pvalue([o[0] for o in outs], p[0]) > ALPHA
     for first, row in ((0, 1), (1, 2)):
         assert chi2_pvalue([o[1] for o in outs if o[0] == first], p[row]) > ALPHA
     assert any(len(o) == 3 for o in outs)  # paths of two accepted nodes happen
 
 
-def test_forgetting_rejected_siblings_fails_the_same_test():
-    p, outs = tree_outputs(False, trials=12_000, seed=5)
-    assert chi2_pvalue([o[0] for o in outs], p[0]) < ALPHA
+def test_tree_sampling_emits_plain_sampling_tokens():
+    """Each emitted token is the target's draw at its position from the row of the path so far: plain
+    decoding's token, whichever candidates the tree held."""
+    p, _ = tree_outputs(trials=0, seed=6)
+    u = torch.rand(500, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(7)).tolist()
+    row_after = {(): 0, (0,): 1, (1,): 2, (2,): 3, (0, 3): 4, (0, 4): 5, (1, 5): 6}
+    for draws in u:
+        out, path = verify_tree_sampling(TOKENS, PARENTS, p, draws)
+        prefix: tuple[int, ...] = ()
+        for depth, token in enumerate(out):
+            assert token == draw_token(p[row_after[prefix]], draws[depth])
+            prefix += (token,)
+        assert len(path) == len(out) - 1 and all(TOKENS[n - 1] == t for n, t in zip(path, out))
 
 
 def test_keep_path_moves_the_accepted_nodes_rows_only():
