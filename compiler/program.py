@@ -323,20 +323,12 @@ class DecoderProgram:
 
     def _build_steps(self, kv_cache, table_width: int, buckets, progress, bucket_linears):
         from .inductor import StepGraphs
-        from .step_plan import StepPlan, choose_buckets, load_plan, save_plan
+        from .step_plan import StepPlan, save_plan, starting_plan
 
         timed = self.device.type == "cpu" and self.lowering == "inductor"  # (the interpreter's timings mean nothing)
-        cached = load_plan(self.cache_key, self.lowering, table_width) if buckets is None and timed else None
-        if cached is not None:  # measured by an earlier build on this kind of machine
-            plan = cached
-            self.step_plan = "as measured by an earlier build on this machine: " + plan.reason
-        elif buckets is None:
-            plan = choose_buckets(self.gm, self.device)
-            self.step_plan = plan.reason
-        else:
-            linears = dict.fromkeys(buckets, bucket_linears) if isinstance(bucket_linears, str) else dict(bucket_linears)
-            plan = StepPlan(tuple(buckets), linears, f"buckets {buckets} given, linears: {bucket_linears}")
-            self.step_plan = plan.reason
+        plan, cached = starting_plan(self.gm, self.device, self.cache_key, self.lowering, table_width, buckets,
+                                     bucket_linears, timed)
+        self.step_plan = plan.reason
         steps = StepGraphs(self.gm, self._inputs, self.lowering, plan.buckets,
                            dump_dir=self.compiled.context.options.dump_dir, bucket_linears=plan.bucket_linears)
 
@@ -348,8 +340,8 @@ class DecoderProgram:
 
         with torch.no_grad():
             steps.warm_up(run_padding_step, table_width, progress)
-            if cached is not None:
-                steps.pad_tokens = dict(cached.pad_tokens)
+            if cached:
+                steps.pad_tokens = dict(plan.pad_tokens)
             elif timed:
                 self.step_plan += "; " + steps.keep_faster_buckets(run_padding_step)
                 self.step_plan += "; " + steps.measure_padding(run_padding_step)

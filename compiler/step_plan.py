@@ -11,7 +11,7 @@ the same plan.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.fx as fx
@@ -198,3 +198,18 @@ def save_plan(key: str | None, lowering: str, table_width: int, plan: StepPlan) 
     if path is not None and plan.pad_tokens is not None:
         write_json(path, dict(buckets=list(plan.buckets), bucket_linears={str(b): k for b, k in plan.bucket_linears.items()},
                               reason=plan.reason, pad_tokens={str(n): m for n, m in plan.pad_tokens.items()}))
+
+
+def starting_plan(gm: fx.GraphModule, device: torch.device, key: str | None, lowering: str, table_width: int,
+                  buckets, bucket_linears, timed: bool) -> tuple[StepPlan, bool]:
+    """The plan a build compiles, and whether an earlier build measured it (then nothing is timed again):
+    the ``buckets`` given (``bucket_linears``: one kind for all, or per bucket); else, where timings mean
+    something (``timed``), the plan an earlier build of the program kept on this kind of machine; else
+    :func:`choose_buckets`' measurement."""
+    if buckets is not None:
+        linears = dict.fromkeys(buckets, bucket_linears) if isinstance(bucket_linears, str) else dict(bucket_linears)
+        return StepPlan(tuple(buckets), linears, f"buckets {buckets} given, linears: {bucket_linears}"), False
+    cached = load_plan(key, lowering, table_width) if timed else None
+    if cached is not None:
+        return replace(cached, reason="as measured by an earlier build on this machine: " + cached.reason), True
+    return choose_buckets(gm, device), False
