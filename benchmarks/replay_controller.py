@@ -90,7 +90,7 @@ def replay(records: list[dict], batch: int, policy, buckets: dict[int, float], m
     a generation makes; only the target is replaced: a draft keeps its match with the recorded tokens,
     and a forward costs its modelled seconds. One Speculation serves the class's batches, its acceptance
     forgotten before each (as bench_adaptive does), its cost table measured once."""
-    from specgraph.runtime.controller import ForwardCost, cost_sizes
+    from specgraph.runtime.forward_cost import ForwardCost, cost_sizes
     from specgraph.runtime.drafting import Speculation
     from specgraph.runtime.kv_manager import KVCacheManager
     from specgraph.runtime.proposers.ngram import NgramProposer

@@ -9,7 +9,7 @@ a switch every ``mean_len`` forwards on average, slow forwards ``factor`` times 
 one-sided timing noise (exponential, mean ``jitter``), and compares, over 400 builds per model:
 
   - ``best of R``: R interleaved rounds over all sizes, each size's fastest run
-    (``runtime.controller.measure_forward_cost``, R = 7; 3 before),
+    (``runtime.forward_cost.measure_forward_cost``, R = 7; 3 before),
   - ``paired median of R``: per round, each size right after a 1-token forward; the median of
     the ratios.
 

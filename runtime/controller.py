@@ -3,9 +3,11 @@
 A draft is worth verifying when the tokens it is expected to add pay for the larger forward that
 verifies it. The controller decides that per step, for the whole batch, from three measurements:
 
-* **target cost** (:class:`ForwardCost`): seconds of one target forward by stream size (tokens in
+* **target cost** (:class:`~.forward_cost.ForwardCost`): seconds of one target forward by stream size (tokens in
   the step), its shape measured on this machine when the engine starts, scaled by one speed
-  factor that every decode step refines (the machine's load moves all sizes together). It is a
+  factor that every decode step refines (the machine's load moves all sizes together) and
+  corrected at the sizes steps use by what they took relative to the rest; planning reads a size
+  no step has corrected yet a little cheaper, so a verify the table made too dear gets tried. It is a
   step function on a bucketed program (2..8 tokens run the same 8-token graph), so a second draft
   can be free where the first was not; nothing here assumes more than that it never falls.
 * **draft cost**: seconds of one propose call per drafted position, measured on every call
@@ -55,96 +57,10 @@ output is identical to no speculation and sampling keeps the target's distributi
 """
 from __future__ import annotations
 
-import time
-from bisect import bisect_left
-from collections import deque
 from dataclasses import dataclass
-from statistics import median
 from typing import Callable, Sequence
 
-from ..compiler.graph_cache import read_json, write_json
-
-
-class ForwardCost:
-    """Seconds of one target forward by stream size: a shape measured when the engine starts, times one
-    machine-speed factor that every decode step updates.
-
-    The shape is the measured table made non-decreasing (a larger stream never costs less: it could
-    always be padded; pool-adjacent-violators averages out what timing noise put out of order), linear
-    between the measured points, which ``cost_sizes`` puts at every bucket edge. ``observe`` folds a
-    step into the factor: the median of the last ``window`` ratios of seconds seen to the shape's
-    seconds, whatever the step's size, the start counting as ``anchor`` ratios of 1. A shared VM's
-    speed drifts by tens of percent for seconds at a time; one factor moves every size together, so
-    two sizes are always compared at the same moment's speed. A per-size estimate, which this
-    replaced, kept each size's value from whenever it was last chosen: a size measured in a slow
-    period looked dear, was not chosen, and so was never measured again (tables like 1: 35, 2: 56,
-    3: 55, 4: 39 ms were seen), and the plan followed the noise. The median keeps a pause or two from
-    moving anything.
-    """
-
-    def __init__(self, seconds_by_size: dict[int, float], window: int = 15, anchor: int = 3):
-        if not seconds_by_size or min(seconds_by_size) < 1:
-            raise ValueError(f"forward cost needs measured stream sizes >= 1; got {sorted(seconds_by_size)}")
-        self.sizes = sorted(seconds_by_size)
-        self.shape = non_decreasing([float(seconds_by_size[n]) for n in self.sizes])
-        self.scale = 1.0
-        self._ratios = deque([1.0] * anchor, maxlen=window)
-
-    def __call__(self, n: int) -> float:
-        return self.scale * self.shape_seconds(n)
-
-    def shape_seconds(self, n: int) -> float:
-        """The measured shape at ``n`` (interpolated; beyond the table, its last segment's slope)."""
-        sizes, secs = self.sizes, self.shape
-        i = bisect_left(sizes, n)
-        if i < len(sizes) and sizes[i] == n:
-            return secs[i]
-        if i == 0:
-            return secs[0]
-        if i == len(sizes):
-            if len(sizes) == 1:
-                return secs[-1] * n / sizes[-1]
-            slope = (secs[-1] - secs[-2]) / (sizes[-1] - sizes[-2])
-            return secs[-1] + slope * (n - sizes[-1])
-        lo, hi = sizes[i - 1], sizes[i]
-        return secs[i - 1] + (secs[i] - secs[i - 1]) * (n - lo) / (hi - lo)
-
-    def observe(self, n: int, seconds: float) -> None:
-        """Fold a step of ``n`` stream tokens that took ``seconds`` into the speed factor."""
-        expected = self.shape_seconds(n) if n >= 1 else 0.0
-        if expected <= 0 or seconds <= 0:
-            return
-        self._ratios.append(seconds / expected)
-        self.scale = median(self._ratios)
-
-    def as_dict(self) -> dict[int, float]:
-        """The current estimate at each measured size."""
-        return {n: self.scale * s for n, s in zip(self.sizes, self.shape)}
-
-    def save(self, path) -> None:
-        """Write the shape as JSON (atomically)."""
-        write_json(path, {str(n): s for n, s in zip(self.sizes, self.shape)})
-
-    @classmethod
-    def load(cls, path) -> "ForwardCost | None":
-        """A table :meth:`save` wrote, or None (missing or unreadable)."""
-        data = read_json(path)
-        try:
-            return cls({int(n): float(s) for n, s in data.items()})
-        except (ValueError, TypeError, AttributeError):
-            return None
-
-
-def non_decreasing(values: Sequence[float]) -> list[float]:
-    """The closest non-decreasing sequence in least squares (pool adjacent violators)."""
-    pools: list[list[float]] = []  # [sum, count] of each pool, their means increasing
-    for v in values:
-        pools.append([v, 1])
-        while len(pools) > 1 and pools[-2][0] * pools[-1][1] > pools[-1][0] * pools[-2][1]:
-            total, count = pools.pop()
-            pools[-1][0] += total
-            pools[-1][1] += count
-    return [total / count for total, count in pools for _ in range(int(count))]
+from .forward_cost import ForwardCost
 
 
 @dataclass
@@ -298,7 +214,7 @@ class SpeculationController:
         best_rate, best = -1.0, list(ks)
         extra = 0
         while True:
-            seconds = self.forward_cost(base + extra) + per_position * max(ks, default=0)
+            seconds = self.forward_cost.optimistic(base + extra) + per_position * max(ks, default=0)
             rate = worth(tokens) / seconds if seconds > 0 else float("inf")
             if rate > best_rate * (1 + 1e-9):
                 best_rate, best = rate, list(ks)
@@ -339,14 +255,16 @@ class SpeculationController:
         decoding sequence beats ``chain_rate`` (the chain plan's worth per second, ``remaining`` as given to
         it); a tree unused for ``tree_probe_interval`` steps is tried anyway (a probe)."""
         tokens = [self.tree_tokens(r, d) for r, d in zip(request_ids, depths)]
-        seconds = self.forward_cost(other_tokens + len(request_ids) * (1 + nodes)) + self.tree_draft_seconds
+        stream = other_tokens + len(request_ids) * (1 + nodes)
+        seconds = self.forward_cost.optimistic(stream) + self.tree_draft_seconds
         self._probing_tree = False
         if seconds > 0 and self.worth(remaining)(tokens) / seconds > chain_rate:
             self.tree_idle_steps = 0
             return True
         self.tree_idle_steps += 1
         plain = self.forward_cost(other_tokens + len(request_ids))
-        if self.tree_idle_steps >= self.tree_probe_interval * self._probe_stretch(seconds - plain, plain):
+        extra = self.forward_cost(stream) + self.tree_draft_seconds - plain
+        if self.tree_idle_steps >= self.tree_probe_interval * self._probe_stretch(extra, plain):
             self.tree_idle_steps, self._probing_tree = 0, True
             return True
         return False
@@ -409,7 +327,8 @@ class SpeculationController:
         self.draft_seconds_per_position += w * (sample - self.draft_seconds_per_position)
 
     def observe_forward(self, stream_tokens: int, seconds: float) -> None:
-        """A decode/verify forward (no prefill chunk in it) of ``stream_tokens`` took ``seconds``."""
+        """A decode/verify step (no prefill chunk in it) of ``stream_tokens`` took ``seconds`` (its forward and
+        the sampling or verification after it)."""
         self.forward_cost.observe(stream_tokens, seconds)
 
     def observe_decode(self, request_id: int, drafted: int, accepted: int) -> None:
@@ -464,38 +383,3 @@ class SpeculationController:
     def release(self, request_id: int) -> None:
         self.records.pop(request_id, None)
         self.trees.pop(request_id, None)
-
-
-def measure_forward_cost(run: Callable[[int], None], sizes: Sequence[int], repeats: int = 7) -> ForwardCost:
-    """Time ``run(n)`` (one target forward of ``n`` stream tokens) for each size: one warm-up call each,
-    then ``repeats`` rounds over all the sizes, keeping each size's best. Rounds, not one size's repeats
-    in a row: a slow spell of the machine then slows a round, not the sizes measured during it, which
-    would bend the shape for good (:class:`ForwardCost` learns only the overall speed). Seven rounds,
-    not three: three read 3 and 4 tokens of one static graph 14% and 20% dearer than 2 on one build,
-    and in a simulation of slow spells (``benchmarks/simulate_cost_timing.py``: 30% of the time 1.4x
-    slow, 3% timing noise) their shape was 27% off in one build of ten, seven rounds' 3%. The median
-    ratio of each size to a 1-token forward run just before it did worse than seven rounds' best in
-    every spell model simulated: both of its timings carry noise."""
-    for n in sizes:
-        run(n)
-    best = dict.fromkeys(sizes, float("inf"))
-    for _ in range(repeats):
-        for n in sizes:
-            t0 = time.perf_counter()
-            run(n)
-            best[n] = min(best[n], time.perf_counter() - t0)
-    return ForwardCost(best)
-
-
-def cost_sizes(max_stream: int, buckets: Sequence[int] = ()) -> list[int]:
-    """Stream sizes worth measuring up to ``max_stream``: small sizes one by one, each bucket and the
-    size after it (where the cost jumps), then a geometric grid."""
-    sizes = set(range(1, min(max_stream, 4) + 1))
-    for b in buckets:
-        sizes.update((b, b + 1))
-    n = 4
-    while n < max_stream:
-        n = int(n * 1.5) + 1
-        sizes.add(min(n, max_stream))
-    sizes.add(max_stream)
-    return sorted(s for s in sizes if 1 <= s <= max_stream)

@@ -22,7 +22,8 @@ from typing import Callable
 import torch
 
 from ..compiler.program import AttentionMetadata, DecoderProgram
-from .controller import SpeculationController, cost_sizes, measure_forward_cost
+from .controller import SpeculationController
+from .forward_cost import cost_sizes, measure_forward_cost
 from .kv_manager import KVCacheManager
 from .proposers.base import Draft, DraftRequest
 from .rejection import verify_greedy, verify_sampling
@@ -38,7 +39,7 @@ def is_decode(chunk: ScheduledChunk) -> bool:
 
 def measure_target_cost(program: DecoderProgram, kv: KVCacheManager, kv_cache, page_size: int, max_stream: int,
                         sequence_ids: list[int], context: int = 128):
-    """The target's forward cost by stream size (:func:`~.controller.measure_forward_cost`), timed in the
+    """The target's forward cost by stream size (:func:`~.forward_cost.measure_forward_cost`), timed in the
     shape decode steps have: a stream of ``n`` tokens is ``min(n, len(sequence_ids))`` scratch sequences,
     each past ``context`` cached tokens, feeding an equal share of the ``n`` (one token each: a plain
     decode batch; more: a verify), not one sequence's prefill from position 0, a shape no decode step
@@ -101,7 +102,7 @@ def verify_draft(draft: Draft, logits: torch.Tensor, params: SamplingParams, noi
 class Speculation:
     """Draft lengths and drafts for each step (see module docstring).
 
-    ``measure_cost()`` returns the target's :class:`~.controller.ForwardCost` (or None while it
+    ``measure_cost()`` returns the target's :class:`~.forward_cost.ForwardCost` (or None while it
     cannot be measured: no room in the pool, or the step graphs still compiling); the controller is
     built on the first step where it can be."""
 
@@ -245,7 +246,8 @@ class Speculation:
             self.controller.score_shadow(rid, r.all_ids)
 
     def observe_forward(self, num_tokens: int, seconds: float) -> None:
-        """A forward made only of decodes took ``seconds`` over ``num_tokens`` tokens."""
+        """A forward made only of decodes took ``seconds`` over ``num_tokens`` tokens (with the sampling or
+        verification after it: a verify's is dearer)."""
         if self.adaptive and self.controller is not None:
             self.controller.observe_forward(num_tokens, seconds)
 

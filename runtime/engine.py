@@ -15,7 +15,8 @@ import torch
 from ..compiler.options import MAX_TREE_NODES, BackendOptions
 from ..compiler.program import AttentionMetadata, DecoderProgram, compile_decoder
 from ..compiler.graph_cache import measurement_path
-from .controller import ForwardCost, SpeculationController
+from .controller import SpeculationController
+from .forward_cost import ForwardCost
 from .drafting import Speculation, is_decode, measure_target_cost, verify_draft
 from .engine_stats import EngineStats
 from ..kernels.hot_cold import demote_blocks, hot_tensors
@@ -548,9 +549,10 @@ class Engine:
                 self._forget(r)
             elif self.speculation is not None:
                 self.speculation.on_verified(rid, r.num_computed)
-        if self.speculation is not None and all(decoding):
-            self.speculation.observe_forward(len(ids), t_back - t_forward)
-        self._stats.count_time(t_back - t_forward, (t_forward - t_start) + (time.perf_counter() - t_back))
+        t_end = time.perf_counter()
+        if self.speculation is not None and all(decoding):  # the forward and what verifying it took
+            self.speculation.observe_forward(len(ids), t_end - t_forward)
+        self._stats.count_time(t_back - t_forward, (t_forward - t_start) + (t_end - t_back))
         return finished
 
     def _verify(self, r: Request, draft: Draft, logits: torch.Tensor) -> tuple[list[int], list[int]]:

@@ -22,9 +22,11 @@ class EngineStats:
     the last ``generate`` call's per-request decisions (decode steps, speculated steps, draft
     lengths chosen); ``forward_cost_s`` the controller's seconds per target forward by stream
     size (its measured shape times ``forward_cost_scale``, learned from the steps: 1.2 means
-    they now take 20% longer than when the engine measured them); ``mean_accepted_path`` the drafts kept per verify forward (a tree's accepted
-    root path) and ``tree_nodes_verified`` the tree nodes verified; ``draft_s`` the seconds spent
-    drafting (part of ``host_s``).
+    they now take 20% longer than when the engine measured them, and times
+    ``forward_cost_corrections``, by stream size, where steps of that size took more or less than
+    the measured shape says relative to the others); ``mean_accepted_path`` the drafts kept per
+    verify forward (a tree's accepted root path) and ``tree_nodes_verified`` the tree nodes
+    verified; ``draft_s`` the seconds spent drafting (part of ``host_s``).
     """
 
     def __init__(self, engine):
@@ -110,6 +112,7 @@ class EngineStats:
             if engine.controller is not None:
                 s["forward_cost_s"] = engine.controller.forward_cost.as_dict()
                 s["forward_cost_scale"] = engine.controller.forward_cost.scale
+                s["forward_cost_corrections"] = dict(engine.controller.forward_cost.corrections)
         return s
 
     def _counters(self) -> dict[str, int]:

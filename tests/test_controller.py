@@ -9,8 +9,9 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import specgraph
-from specgraph.runtime import controller as controller_module
-from specgraph.runtime.controller import Acceptance, ForwardCost, SpeculationController, cost_sizes, non_decreasing
+from specgraph.runtime import forward_cost as forward_cost_module
+from specgraph.runtime.controller import Acceptance, SpeculationController
+from specgraph.runtime.forward_cost import ForwardCost, cost_sizes, non_decreasing
 from specgraph.runtime.proposers import Draft
 from models import make_family, random_prompts
 
@@ -32,6 +33,49 @@ def test_forward_cost_interpolates_extrapolates_and_follows_observations():
         ForwardCost({})
 
 
+def test_forward_cost_corrects_the_sizes_steps_use():
+    """A start-up table that read 4 tokens 1.1x one (another process shared the cores) where steps take
+    1.4x: the steps correct each size they use, relative to the others, whatever the machine's speed."""
+    cost = ForwardCost({1: 1.0, 4: 1.1, 8: 2.0})
+    for _ in range(10):  # a third of the steps verify 3 drafts
+        for n, seconds in ((1, 1.0), (1, 1.0), (4, 1.4)):
+            cost.observe(n, seconds)
+    assert cost(1) == pytest.approx(1.0) and cost(4) == pytest.approx(1.4)
+    assert cost(2) == pytest.approx(1.0 + 0.4 / 3)  # between corrected sizes: linear
+    assert cost(8) == pytest.approx(2.0 * 1.4 / 1.1)  # beyond: the nearest correction
+    assert cost.corrections == pytest.approx({1: 1.0, 4: 1.4 / 1.1})
+    for _ in range(10):  # the machine slows down 2x: every size with it, the correction stays
+        for n, seconds in ((1, 2.0), (1, 2.0), (4, 2.8)):
+            cost.observe(n, seconds)
+    assert cost(1) == pytest.approx(2.0) and cost(4) == pytest.approx(2.8)
+    alone = ForwardCost({1: 1.0, 4: 1.1})
+    for _ in range(10):  # one size alone tells the speed, not its cost relative to the others
+        alone.observe(4, 2.2)
+    assert alone.corrections == {4: 1.0} and alone(1) == pytest.approx(2.0) and alone(4) == pytest.approx(2.2)
+
+
+def test_planning_tries_a_verify_the_table_may_have_made_too_dear():
+    """Drafts kept 30% of the time add 0.42 tokens for 3: not worth a verify the table reads 1.5x a decode,
+    worth one read 15% cheaper (no step has corrected that size yet); the steps then settle it."""
+    def planned(verify_seconds: float | None) -> list[int]:
+        ctl = SpeculationController(3, ForwardCost({1: 1.0, 2: 1.5, 4: 1.5, 8: 3.0}), probe_budget=None)
+        ctl.record(7).acceptance = Acceptance([30.0, 9.0, 2.7], [100.0, 30.0, 9.0])
+        plans = [ctl.plan([7], [3], 0)]
+        for _ in range(5):  # plain decode steps correct their own size
+            ctl.observe_forward(1, 1.0)
+        plans.append(ctl.plan([7], [3], 0))
+        if verify_seconds is not None:
+            for _ in range(5):  # (3, between two corrected sizes, is known from them)
+                for n in (1, 2, 4):
+                    ctl.observe_forward(n, verify_seconds if n > 1 else 1.0)
+            plans.append(ctl.plan([7], [3], 0))
+        return plans
+
+    assert planned(None) == [[0], [3]]  # uncorrected: every size alike, then the verify reads 1.275x
+    assert planned(1.5) == [[0], [3], [0]]  # it costs what the table said: back to plain decoding
+    assert planned(1.2) == [[0], [3], [3]]  # it costs less: speculation stays
+
+
 def test_forward_cost_never_falls_with_the_stream():
     """Timing noise that put a larger stream below a smaller one is pooled away (least squares)."""
     cost = ForwardCost({1: 35.0, 2: 56.0, 3: 54.0, 4: 39.0, 8: 60.0})
@@ -50,8 +94,8 @@ def test_measured_shape_survives_a_slow_spell(monkeypatch):
         clock["calls"] += 1
         clock["now"] += n * (2.0 if 6 <= clock["calls"] <= 8 else 1.0)
 
-    monkeypatch.setattr(controller_module.time, "perf_counter", lambda: clock["now"])
-    cost = controller_module.measure_forward_cost(run, [1, 2, 3, 4], repeats=3)
+    monkeypatch.setattr(forward_cost_module.time, "perf_counter", lambda: clock["now"])
+    cost = forward_cost_module.measure_forward_cost(run, [1, 2, 3, 4], repeats=3)
     assert cost.as_dict() == {1: 1.0, 2: 2.0, 3: 3.0, 4: 4.0}
 
 
@@ -270,9 +314,10 @@ def test_greedy_output_does_not_depend_on_the_chosen_lengths(family, draft, monk
         got = spec.generate(prompts, max_new_tokens=12, ignore_eos=True)
         assert {tuple(p): r.token_ids for p, r in zip(prompts, got)} == want
     assert 0 < spec.stats["speculated_fraction"] < 1
-    cost = spec.controller.forward_cost  # the reported table: the measured shape, every size scaled alike
+    cost = spec.controller.forward_cost  # the reported table: the shape, scaled and corrected at the sizes used
     assert spec.stats["forward_cost_scale"] == cost.scale > 0
-    assert spec.stats["forward_cost_s"] == pytest.approx({n: cost.scale * c for n, c in zip(cost.sizes, cost.shape)})
+    assert spec.stats["forward_cost_corrections"] == cost.corrections
+    assert spec.stats["forward_cost_s"] == pytest.approx({n: cost(n) for n in cost.sizes})
 
 
 def test_adaptive_needs_a_draft_and_fixed_lengths_stay_fixed():

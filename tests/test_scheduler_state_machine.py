@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import specgraph
-from specgraph.runtime.controller import ForwardCost
+from specgraph.runtime.forward_cost import ForwardCost
 from specgraph.runtime import engine as engine_module
 from specgraph.runtime.proposers.base import Draft
 
