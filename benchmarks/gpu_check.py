@@ -1,17 +1,20 @@
-"""One command for a CUDA machine (about 5-8 minutes): kernels, the engine end to end, bandwidth.
+"""One command for a CUDA machine (about 5-8 minutes): GPU tests, kernels, the engine end to end, bandwidth.
 
-    python benchmarks/gpu_check.py [--skip-smollm2] [--peak-gbps 4800]
+    python benchmarks/gpu_check.py [--skip-smollm2] [--model NAME_OR_GGUF] [--peak-gbps 4800]
 
 Prepared on a machine without a GPU (specgraph's CI cannot run it); run it as is on any CUDA
 machine. Prints a report, and exits non-zero if a correctness check fails.
 
+0. **The GPU tests** (``tests/test_cuda_graphs.py``: CUDA-graph replay against launching the
+   kernels one by one and against the eager lowering; CI, without a GPU, skips them).
 1. **Kernels on CUDA vs their torch references** (registry: the ``"triton"`` implementations):
    cache writes (float32/bf16/fp16, fp8, int4) and paged attention over random ragged batches
    (decodes, a verify, a prefill chunk; GQA; page sizes 8/16/32).
 2. **Engine on CUDA, generated code** (``lowering="inductor"``: Inductor's Triton for the dense
    graph, specgraph's Triton kernels as extern calls, static bucket graphs): a tiny random Llama and
    SmolLM2-135M, greedy tokens against Hugging Face on the same GPU; decode tok/s at batch 1 and 8
-   for specgraph and HF eager; ``engine.stats["recompiles"]`` after warm-up (expect 0).
+   for specgraph with and without CUDA graphs and HF eager; ``engine.stats["recompiles"]`` after
+   warm-up (expect 0).
 3. **Paged attention's achieved bandwidth**: a decode step of 64 sequences x 4096 keys (SmolLM2's
    heads), bytes of K/V read per second against ``--peak-gbps`` (H100 SXM ~3350, H200 ~4800,
    A100 80GB ~2039).
@@ -20,8 +23,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
 import time
+import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -61,6 +66,15 @@ def _batch(seqs, page, kv_heads, group, head_dim, dtype, device, num_blocks=None
                 positions=torch.tensor(pos, dtype=torch.int64, device=device),
                 slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device))
     return q, k, v, meta, num_blocks
+
+
+def gpu_tests() -> None:
+    print("0. the GPU tests", flush=True)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, TRITON_INTERPRET="0")  # tests/conftest.py would otherwise interpret the kernels
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider",
+                           "tests/test_cuda_graphs.py"], cwd=root, env=env)
+    check("tests/test_cuda_graphs.py", done.returncode == 0, f"pytest exit code {done.returncode}")
 
 
 def kernel_checks(device) -> None:
@@ -117,7 +131,7 @@ def _rate(fn, sequences, new_tokens) -> float:
     return sequences * new_tokens / (time.perf_counter() - t0)
 
 
-def engine_checks(device, smollm2: bool) -> None:
+def engine_checks(device, smollm2: bool, model_name: str) -> None:
     import specgraph
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -136,22 +150,30 @@ def engine_checks(device, smollm2: bool) -> None:
     check("tiny Llama: no recompiles after build", engine.stats["recompiles"] == 0, str(engine.stats["recompiles"]))
     if not smollm2:
         return
-    model, tok = specgraph.load_model()
+    model, tok = specgraph.load_model(model_name)
     model = model.to(device).eval()
-    t0 = time.perf_counter()
-    engine = specgraph.Engine(model, tokenizer=tok, lowering="inductor")
-    print(f"  SmolLM2: built in {time.perf_counter() - t0:.1f} s; {engine.program.step_plan}")
+    engines = {}
+    for graphs in (True, False):
+        t0 = time.perf_counter()
+        engines[graphs] = specgraph.Engine(model, tokenizer=tok, lowering="inductor", cuda_graphs=graphs)
+        print(f"  SmolLM2 (CUDA graphs {'on' if graphs else 'off'}): built in {time.perf_counter() - t0:.1f} s; "
+              f"{engines[graphs].program.step_plan}", flush=True)
+    engine = engines[True]
     texts = ["def fib(n):", "The capital of France is", "Write a haiku about the sea.", "import numpy as np\n"]
     prompts = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
     got = [r.token_ids for r in engine.generate(prompts, max_new_tokens=32, ignore_eos=True)]
     want = [_hf_greedy(model, p, 32, device) for p in prompts]
     same = sum(g == w for g, w in zip(got, want))
     check("SmolLM2 greedy == HF eager on the GPU", same == len(prompts), f"{same}/{len(prompts)} identical")
+    launched = [r.token_ids for r in engines[False].generate(prompts, max_new_tokens=32, ignore_eos=True)]
+    check("SmolLM2 greedy: CUDA graphs == kernels launched one by one", launched == got)
     n = 64
-    engine.reset_stats()
+    for e in engines.values():
+        e.reset_stats()
     for batch in (1, 8):
         batch_prompts = (prompts * 8)[:batch]
         sg = _rate(lambda: engine.generate(batch_prompts, max_new_tokens=n, ignore_eos=True), batch, n)
+        launched = _rate(lambda: engines[False].generate(batch_prompts, max_new_tokens=n, ignore_eos=True), batch, n)
         hf = 0.0
         for p in batch_prompts:  # HF eager, one sequence at a time (no padding effects)
             hf_t0 = time.perf_counter()
@@ -159,9 +181,12 @@ def engine_checks(device, smollm2: bool) -> None:
             torch.cuda.synchronize()
             hf += time.perf_counter() - hf_t0
         hf_rate = batch * n / hf
-        print(f"  batch {batch}: specgraph {sg:.1f} tok/s, HF eager (sequential) {hf_rate:.1f} tok/s, "
-              f"{sg / hf_rate:.2f}x; host overhead {100 * engine.stats['host_overhead_fraction']:.1f}%")
+        print(f"  batch {batch}: specgraph {sg:.1f} tok/s ({launched:.1f} without CUDA graphs), HF eager "
+              f"(sequential) {hf_rate:.1f} tok/s, {sg / hf_rate:.2f}x; host overhead "
+              f"{100 * engine.stats['host_overhead_fraction']:.1f}%", flush=True)
     check("SmolLM2: no recompiles in steady state", engine.stats["recompiles"] == 0, str(engine.stats["recompiles"]))
+    check("SmolLM2: one CUDA graph per bucket, replayed", engine.stats["cuda_graph_captures"] == len(engine.program.buckets),
+          f"{engine.stats['cuda_graph_captures']} captures, buckets {engine.program.buckets}")
 
 
 def bandwidth(device, peak_gbps: float) -> None:
@@ -191,6 +216,7 @@ def bandwidth(device, peak_gbps: float) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--skip-smollm2", action="store_true")
+    parser.add_argument("--model", default="smollm2-135m-instruct", help="load_model's name or a .gguf path")
     parser.add_argument("--peak-gbps", type=float, default=4800.0, help="the GPU's peak memory bandwidth")
     args = parser.parse_args()
     if os.environ.get("TRITON_INTERPRET") == "1":
@@ -202,9 +228,15 @@ def main() -> int:
     device = torch.device("cuda")
     print(f"GPU: {torch.cuda.get_device_name()}; torch {torch.__version__}", flush=True)
     t0 = time.perf_counter()
-    kernel_checks(device)
-    engine_checks(device, smollm2=not args.skip_smollm2)
-    bandwidth(device, args.peak_gbps)
+    sections = [("tests", gpu_tests), ("kernels", lambda: kernel_checks(device)),
+                ("engine", lambda: engine_checks(device, not args.skip_smollm2, args.model)),
+                ("bandwidth", lambda: bandwidth(device, args.peak_gbps))]
+    for name, run in sections:  # a section that breaks is a failure; the others still run
+        try:
+            run()
+        except Exception:
+            traceback.print_exc()
+            check(f"section {name} ran to the end", False)
     print(f"done in {time.perf_counter() - t0:.0f} s; {len(FAILURES)} failed check(s)"
           + (f": {', '.join(FAILURES)}" if FAILURES else ""))
     return 1 if FAILURES else 0

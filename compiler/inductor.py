@@ -129,7 +129,8 @@ class StepGraphs:
     """Compiled step graphs of one decoder program (see module docstring)."""
 
     def __init__(self, gm: fx.GraphModule, inputs: list[InputSpec], lowering: str, buckets: tuple[int, ...],
-                 dump_dir: str | None = None, bucket_linears: str | dict[int, str] = "inductor"):
+                 dump_dir: str | None = None, bucket_linears: str | dict[int, str] = "inductor",
+                 cuda_graphs: bool = True):
         if lowering not in ("inductor", "triton-interpret"):
             raise ValueError(f"StepGraphs compiles the inductor lowerings; got {lowering!r}")
         self.lowering = lowering
@@ -150,6 +151,9 @@ class StepGraphs:
         if lowering == "inductor" and self._on_cpu:
             bind_native_ops(self._base)
         self._graphs: dict[object, Callable] = {}  # (bucket size or "dynamic", cache size) -> compiled
+        #: on CUDA, bucket steps replay as CUDA graphs (cuda_graphs.py); the dynamic graph's shapes vary
+        self.cuda_graphs = cuda_graphs and lowering == "inductor" and not self._on_cpu
+        self._graph_pool = None
         caches = [i for i, k in enumerate(self._keep) if inputs[k].role == Role.CACHE and inputs[k].part == "k"]
         self._first_cache = caches[0] if caches else None
         self._table_width: int | None = None
@@ -187,6 +191,11 @@ class StepGraphs:
             if progress is not None:
                 progress(f"step graph {i + 1}/{len(shapes)} ({name}, {self.lowering})")
             run_padding_step(shape)
+        if self.cuda_graphs:  # the first run compiled each bucket's kernels; the second captures them
+            for name, shape in shapes[:-1]:
+                if progress is not None:
+                    progress(f"capturing {name} as a CUDA graph")
+                run_padding_step(shape)
         self._warm = self.compiles
 
     def keep_faster_buckets(self, run_padding_step: Callable[[object], None], repeats: int = 7) -> str:
@@ -256,6 +265,13 @@ class StepGraphs:
         return line + (f" -> padded {pads}" if pads else " -> no padding pays")
 
     @property
+    def captures(self) -> int:
+        """CUDA graphs recorded for the bucket steps (0 off CUDA)."""
+        from .cuda_graphs import GraphedStep
+
+        return sum(g.captures for g in self._graphs.values() if isinstance(g, GraphedStep))
+
+    @property
     def recompiles(self) -> int:
         """Compiles after :meth:`warm_up` (a step shape or cache size it did not foresee)."""
         return self.compiles - self._warm if self._warm is not None else 0
@@ -271,7 +287,14 @@ class StepGraphs:
         fn = self._graphs.get(full_key)
         with torch.no_grad(), use_triton_kernels(self.lowering == "triton-interpret"):
             if fn is None:
-                fn = self._graphs[full_key] = self._compile(key, inputs)
+                fn = self._compile(key, inputs)
+                if self.cuda_graphs and key != "dynamic":
+                    from .cuda_graphs import GraphedStep
+
+                    if self._graph_pool is None:
+                        self._graph_pool = torch.cuda.graph_pool_handle()
+                    fn = GraphedStep(fn, [role in (Role.CACHE, Role.STATIC) for role in self._roles], self._graph_pool)
+                self._graphs[full_key] = fn
             return fn(*inputs)
 
     def _compile(self, key, inputs: list) -> Callable:

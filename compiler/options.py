@@ -82,6 +82,11 @@ class BackendOptions:
         The largest token tree (new tokens per sequence) a step may verify in one forward; ``0``
         (default): no trees, and no ``tree_mask`` pass. The program then takes a ``tree_mask``
         input (``kernels/tree_mask.py``) sized for it.
+    cuda_graphs:
+        On CUDA with the ``"inductor"`` lowering, replay each static bucket's step (the decodes and
+        short verifies) as a CUDA graph: one launch per step instead of one per kernel
+        (:mod:`specgraph.compiler.cuda_graphs`). ``False`` launches the kernels one by one (for
+        comparison and debugging). Ignored elsewhere.
     prepack_weights:
         On CPU, run float32 linears as oneDNN linears over weights reordered once at compile
         time (faster few-row GEMMs; one extra copy of those weights). ``False`` keeps
@@ -102,6 +107,7 @@ class BackendOptions:
     tree_nodes: int = 0
     hidden_states: bool = False
     kv_hot_window: int | None = None
+    cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.tree_nodes, int) or not 0 <= self.tree_nodes <= MAX_TREE_NODES:

@@ -329,8 +329,9 @@ class DecoderProgram:
         plan, cached = starting_plan(self.gm, self.device, self.cache_key, self.lowering, table_width, buckets,
                                      bucket_linears, timed)
         self.step_plan = plan.reason
-        steps = StepGraphs(self.gm, self._inputs, self.lowering, plan.buckets,
-                           dump_dir=self.compiled.context.options.dump_dir, bucket_linears=plan.bucket_linears)
+        options = self.compiled.context.options
+        steps = StepGraphs(self.gm, self._inputs, self.lowering, plan.buckets, dump_dir=options.dump_dir,
+                           bucket_linears=plan.bucket_linears, cuda_graphs=options.cuda_graphs)
 
         def run_padding_step(shape: StepShape) -> None:
             empty = AttentionMetadata.build([], self.page_size, [])
@@ -340,6 +341,7 @@ class DecoderProgram:
 
         with torch.no_grad():
             steps.warm_up(run_padding_step, table_width, progress)
+            self.step_plan += f"; buckets {steps.buckets} replay as CUDA graphs" if steps.cuda_graphs else ""
             if cached:
                 steps.pad_tokens = dict(plan.pad_tokens)
             elif timed:
@@ -362,6 +364,11 @@ class DecoderProgram:
         return self._steps.recompiles if self._steps is not None else 0
 
     @property
+    def captures(self) -> int:
+        """CUDA graphs recorded for the bucket steps (one per bucket in steady state; 0 off CUDA)."""
+        return self._steps.captures if self._steps is not None else 0
+
+    @property
     def compiling(self) -> bool:
         """A background compile of the step graphs is still running."""
         return self._compiling is not None and self._compiling.is_alive()
@@ -371,9 +378,7 @@ class DecoderProgram:
         """Stream sizes of the static step graphs (() until compiled, and for the eager lowering)."""
         return self._steps.buckets if self._steps is not None else ()
 
-    @property
-    def lowering(self) -> str:
-        return self.compiled.context.options.lowering
+    lowering = property(lambda self: self.compiled.context.options.lowering)
 
     @property
     def tree_words(self) -> int:
@@ -381,19 +386,15 @@ class DecoderProgram:
         nodes = self.compiled.context.options.tree_nodes
         return mask_words(nodes) if nodes else 0
 
-    @property
-    def max_tree_nodes(self) -> int:
-        return self.compiled.context.options.tree_nodes
+    max_tree_nodes = property(lambda self: self.compiled.context.options.tree_nodes)
 
-    @property
-    def device(self) -> torch.device:
-        return self._device
+    device = property(lambda self: self._device)
 
     def __post_init__(self) -> None:
         context = self.compiled.context
         self._inputs = context.signature.validate(self.gm, RUNTIME_ROLES)  # each placeholder's role, in order
         self._device = next(iter(self.gm.parameters()), torch.empty(0)).device
-        options = self.compiled.context.options
+        options = context.options
         self._eager = lower(self.gm, prepack=options.prepack_weights, dump_dir=options.dump_dir)
         self._steps = None  # StepGraphs once compile_steps ran
         self._compiling: threading.Thread | None = None  # a background compile_steps

@@ -112,6 +112,7 @@ class Engine:
         ids and raise ``UnsupportedModelError`` on a mismatch (see ``specgraph.compiler.self_check``).
     lowering: ``"inductor"`` (generated code, compiled here for every step shape, cached on disk),
         ``"eager"`` or ``"triton-interpret"``; see :class:`~specgraph.BackendOptions`.
+    cuda_graphs: on CUDA, replay the decode buckets' steps as CUDA graphs (``BackendOptions.cuda_graphs``).
     progress: optional ``progress(stage)``, told when each compile stage starts (the CLI shows it).
     compile_in_background: return once the graph is captured and checked; the step graphs compile
         in a thread while requests run on the eager lowering, which they leave when the generated
@@ -128,7 +129,7 @@ class Engine:
                  draft_tree: str | None = None,
                  draft_weight_dtype: str | None = None, self_check: bool = True,
                  lowering: str | None = None, progress: Callable[[str], None] | None = None,
-                 compile_in_background: bool = False):
+                 compile_in_background: bool = False, cuda_graphs: bool = True):
         self.model, self.tokenizer = model, tokenizer
         calibration = _calibration_ids(weight_calibration, weight_dtype, tokenizer)
         from .proposers import kind_of
@@ -147,7 +148,8 @@ class Engine:
                                  weight_calibration=calibration,
                                  page_size=page_size, tree_nodes=0 if tree is None else 1 + tree.scratch_nodes,
                                  hidden_states=self._features,
-                                 passes=tuple(passes), dump_dir=dump_dir, self_check=self_check, lowering=lowering)
+                                 passes=tuple(passes), dump_dir=dump_dir, self_check=self_check, lowering=lowering,
+                                 cuda_graphs=cuda_graphs)
         t0 = time.perf_counter()
         self.program: DecoderProgram = compile_decoder(model, options, progress=progress)
         if num_cold_blocks is not None and not self.program.hot_cold:

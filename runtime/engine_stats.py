@@ -13,6 +13,7 @@ class EngineStats:
     of blocks; ``evictions``: cached blocks handed out again; ``forks`` and ``cow_copies``:
     samples that shared their prompt's blocks, and shared blocks copied before a write;
     ``recompiles``: step graphs compiled after the engine was built (0 in steady state);
+    ``cuda_graph_captures``: CUDA graphs recorded for the decode buckets (one each on CUDA, 0 elsewhere);
     ``host_overhead_fraction``: of the time in steps, the share spent outside the target's forward
     (scheduling, drafting, metadata, sampling), from ``host_s`` and ``forward_s``.
     With a draft: ``mean_accepted_tokens`` is the tokens a sequence gained per target forward
@@ -121,7 +122,8 @@ class EngineStats:
         return dict(preemptions=engine.scheduler.preemptions, evictions=engine.kv.block_pool.num_evictions,
                     kv_demotions=engine.kv.num_demotions, forks=engine.scheduler.forks,
                     cow_copies=engine.kv.num_cow_copies,
-                    recompiles=engine.program.recompiles + (drafter.recompiles if drafter is not None else 0))
+                    recompiles=engine.program.recompiles + (drafter.recompiles if drafter is not None else 0),
+                    cuda_graph_captures=engine.program.captures + (drafter.captures if drafter is not None else 0))
 
 
 def _ratio(a: float, b: float) -> float:

@@ -5,7 +5,6 @@ import itertools
 import random
 
 import pytest
-import torch
 from hypothesis import given, settings, strategies as st
 
 import specgraph
