@@ -26,8 +26,10 @@ told from noise. Settings:
                              with a default tree, each step the tree, a chain within its depth or none.
 One Engine per proposer (its controller measured when it was built); fixed rows switch the
 same Engine's ``adaptive`` off. Settings run interleaved within each class, the order rotating
-between units. The controller forgets its acceptance estimates before each run (a cold start:
-nothing learned on another prompt helps it), and keeps its cost table.
+between units. Before the timed runs, each proposer's engine serves the ``REPLAY_*`` prompts
+(code and chat, greedy and sampled) with its controller on, and every run starts from the
+engine-wide estimates that left (a served engine's state: what the proposer's drafts of each
+evidence class are worth on this model), never from another timed run; the cost table is kept.
 
 Every setting runs a unit with the same seed, and the target draws each sampled position's token
 from that position's own uniform, so with n-gram drafts every setting emits the same tokens as
@@ -52,7 +54,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import chat_prompt_ids, cpu_description, fmt, format_table, load_average, log, print_report, quiet_torch  # noqa: E402
-from prompts import CHAT_PROMPTS, CODE_PROMPTS, HELDOUT_CHAT_PROMPTS, HELDOUT_CODE_PROMPTS, WARMUP_PROMPT  # noqa: E402
+from prompts import (CHAT_PROMPTS, CODE_PROMPTS, HELDOUT_CHAT_PROMPTS, HELDOUT_CODE_PROMPTS, REPLAY_CHAT_PROMPTS,  # noqa: E402
+                     REPLAY_CODE_PROMPTS, WARMUP_PROMPT)
 
 BATCHES = (1, 4)
 TEMPERATURES = (0.0, 0.8)
@@ -84,14 +87,15 @@ def class_prompts(prompt_set: str) -> dict[str, list[str]]:
 
 
 def run_unit(engine, adaptive: bool, k: int, tree: str | None, cap: int | None, prompts: list[list[int]],
-             temp: float, n: int, seed: int) -> dict:
+             temp: float, n: int, seed: int, served: dict | None = None) -> dict:
     """One ``generate`` call (one prompt at batch 1, all of them at batch 4) under one setting; ``cap``
-    bounds every request's drafts per step (0: none)."""
+    bounds every request's drafts per step (0: none). The controller starts from ``served`` (its
+    engine-wide estimates after :func:`serve_warm_up`), or from its prior."""
     if engine.proposer is not None:
         engine.adaptive, engine.num_draft_tokens = adaptive, k
         if engine.default_tree is not None:
             engine.draft_tree = tree
-        engine.controller.forget_acceptance()  # a cold start: nothing learned on another run helps
+        engine.controller.forget_acceptance(served)  # no run learns from another timed run
     engine.reset_stats()
     gc.collect()
     t0 = time.perf_counter()
@@ -102,6 +106,19 @@ def run_unit(engine, adaptive: bool, k: int, tree: str | None, cap: int | None, 
     return dict(tokens=sum(len(r.token_ids) for r in res), seconds=seconds, outputs=[r.token_ids for r in res],
                 decode_forwards=s.get("decode_forwards", 0), emitted=s.get("decode_emitted", 0),
                 speculated=s.get("verify_steps", 0), drafted=s.get("draft_tokens", 0))
+
+
+def serve_warm_up(engine, tok, k: int, tree: str | None, n: int) -> dict:
+    """The controller's engine-wide estimates after serving the ``REPLAY_*`` prompts (code and chat, greedy
+    and sampled, adaptive): the state a served engine starts a request from. Never a timed prompt."""
+    engine.adaptive, engine.num_draft_tokens = True, k
+    if engine.default_tree is not None:
+        engine.draft_tree = tree
+    engine.controller.forget_acceptance()
+    prompts = [chat_prompt_ids(tok, t) for t in REPLAY_CODE_PROMPTS + REPLAY_CHAT_PROMPTS]
+    for temp in TEMPERATURES:
+        engine.generate(prompts, max_new_tokens=n, temperature=temp, seed=0, ignore_eos=True)
+    return engine.controller.engine_wide()
 
 
 def combine(units: list[list[dict]]) -> dict:
@@ -191,6 +208,7 @@ def main(argv=None) -> int:
     warm = [chat_prompt_ids(tok, WARMUP_PROMPT)]
     for label, name, adaptive, k, tree, cap in settings:  # first calls off the clock (never on a timed prompt)
         run_unit(engines[name], adaptive, k, tree, cap, warm, 0.0, 8, 0)
+    served = {p: serve_warm_up(engines[p], tok, kmax, engines[p].default_tree, args.new_tokens) for p in args.proposers}
 
     classes = [(g, b, t) for g in groups for b in BATCHES for t in TEMPERATURES]
     runs_of: dict[tuple, dict[str, list[list[dict]]]] = {}  # class -> setting -> unit -> its run in each round
@@ -205,7 +223,8 @@ def main(argv=None) -> int:
                 order = settings[shift:] + settings[:shift]
                 turn += 1
                 for label, name, adaptive, k, tree, cap in (order if turn % 2 else order[::-1]):
-                    r = run_unit(engines[name], adaptive, k, tree, cap, prompts, t, args.new_tokens, seed=u)
+                    r = run_unit(engines[name], adaptive, k, tree, cap, prompts, t, args.new_tokens, seed=u,
+                                 served=served.get(name))
                     runs_of.setdefault(c, {}).setdefault(label, [[] for _ in units])[u].append(r)
             log(f"round {rnd} {g} b{b} t{t} ({time.perf_counter() - t_start:.0f} s): " + ", ".join(
                 f"{label} {combine(runs_of[c][label])['tokens'] / combine(runs_of[c][label])['seconds']:.1f}"

@@ -14,7 +14,13 @@ verifies it. The controller decides that per step, for the whole batch, from thr
   (a draft model's k single-token steps; near zero for n-gram lookup).
 * **acceptance** (:class:`Acceptance`): per sequence and per draft position i, the probability that
   draft i is accepted once drafts 1..i-1 were, from decayed counts. A new sequence starts from
-  the engine-wide estimate of the same proposer, weighted as a few observations.
+  the engine-wide estimate of the same proposer, weighted as a few observations. A proposer may
+  tag each draft with an **evidence class** (``Draft.evidence``; n-gram lookup: the length of the
+  suffix it matched), and then each class has its own estimates, per sequence and engine-wide:
+  on SmolLM2's replies a 1-token match's first draft was kept 12-23% of the time and a 3-token
+  match's 75-80%, so one rate for both verifies the weak drafts and under-drafts the strong ones.
+  Drafts that cost nothing and write no cache are made for every sequence before the controller
+  chooses (``runtime/drafting.py``), so it plans with each draft's class and length in hand.
 
 With ``a_i`` those conditional rates, k drafts yield ``E(k) = 1 + sum_j prod_{i<=j} a_i`` tokens
 per sequence. The (k+1)-th draft's gain ``prod_{i<=k+1} a_i`` never grows with k, so handing out
@@ -57,7 +63,8 @@ output is identical to no speculation and sampling keeps the target's distributi
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import copy
+from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from .forward_cost import ForwardCost
@@ -119,10 +126,12 @@ class Acceptance:
 class SequenceRecord:
     """What the controller knows of one sequence."""
 
-    acceptance: Acceptance
+    acceptance: Acceptance  # every draft of the sequence
     idle_steps: int = 0  # consecutive decode steps without drafts
     probe_interval: int = 0  # idle steps before the next probe (doubles after each probe that fails)
-    shadow: tuple[int, list[int]] | None = None  # an unverified draft: (sequence length then, tokens)
+    # unverified drafts waiting for their tokens: (sequence length then, tokens, their evidence class)
+    shadows: list[tuple[int, list[int], int | None]] = field(default_factory=list)
+    by_evidence: dict[int, Acceptance] = field(default_factory=dict)  # the drafts of each evidence class
 
 
 @dataclass
@@ -156,6 +165,7 @@ class SpeculationController:
         self.forward_cost = forward_cost
         self.prior_rate, self.global_decay = prior_rate, global_decay
         self.global_acceptance = Acceptance.prior(max_drafts, prior_rate, decay=global_decay)
+        self.global_by_evidence: dict[int, Acceptance] = {}
         self.decay, self.start_weight = decay, start_weight
         self.probe_interval, self.probe_length, self.probe_budget = probe_interval, probe_length, probe_budget
         self.draft_seconds_per_position = 0.0  # per propose call, per drafted position (batched)
@@ -171,12 +181,23 @@ class SpeculationController:
         self.tree_probe_interval = probe_interval
         self._probing_tree = False
 
-    def forget_acceptance(self) -> None:
-        """Back to the prior: every sequence's and the engine-wide acceptance (costs are kept)."""
-        self.global_acceptance = Acceptance.prior(self.max_drafts, self.prior_rate, decay=self.global_decay)
+    def engine_wide(self) -> dict:
+        """A copy of the engine-wide estimates (acceptance overall and per evidence class, tokens per tree
+        verify): what every new sequence starts from (:meth:`forget_acceptance` can return to it)."""
+        return copy.deepcopy(dict(acceptance=self.global_acceptance, by_evidence=self.global_by_evidence,
+                                  tree=self.global_tree))
+
+    def forget_acceptance(self, start: dict | None = None) -> None:
+        """Forget every sequence's estimates, and set the engine-wide ones to ``start`` (an
+        :meth:`engine_wide` copy: a served engine's state after earlier traffic) or, by default, to the
+        prior. Costs are kept."""
+        start = copy.deepcopy(start) if start is not None else dict(
+            acceptance=Acceptance.prior(self.max_drafts, self.prior_rate, decay=self.global_decay), by_evidence={},
+            tree=TreeRecord(decay=self.global_decay))
+        self.global_acceptance, self.global_by_evidence = start["acceptance"], start["by_evidence"]
+        self.global_tree = start["tree"]
         self.records.clear()
         self.trees.clear()
-        self.global_tree = TreeRecord(decay=self.global_decay)
 
     # ---------------------------------------------------------------- decisions
     def record(self, request_id: int) -> SequenceRecord:
@@ -186,9 +207,31 @@ class SpeculationController:
             rec = self.records[request_id] = SequenceRecord(acc, probe_interval=self.probe_interval)
         return rec
 
+    def acceptance(self, request_id: int, evidence: int | None = None) -> Acceptance:
+        """The sequence's acceptance estimate for drafts of this evidence class (None: of all its drafts).
+        A class the sequence has not drafted in starts from the engine-wide estimate of that class."""
+        rec = self.record(request_id)
+        if evidence is None:
+            return rec.acceptance
+        own = rec.by_evidence.get(evidence)
+        if own is None:
+            shared = self.global_by_evidence.setdefault(
+                evidence, Acceptance.prior(self.max_drafts, self.prior_rate, decay=self.global_decay))
+            own = rec.by_evidence[evidence] = shared.copy(self.start_weight, self.decay)
+        return own
+
+    def _learn(self, request_id: int, evidence: int | None, drafted: int, accepted: int) -> None:
+        """``accepted`` of ``drafted`` drafts were (or would have been) kept: the sequence's and the engine-wide
+        estimates learn it, overall and for the drafts' evidence class."""
+        self.acceptance(request_id, evidence).update(drafted, accepted)
+        if evidence is not None:
+            self.global_by_evidence[evidence].update(drafted, accepted)
+            self.record(request_id).acceptance.update(drafted, accepted)
+        self.global_acceptance.update(drafted, accepted)
+
     def plan(self, request_ids: Sequence[int], caps: Sequence[int], other_tokens: int,
              drafting_cost: bool = True, floors: Sequence[int] | None = None, probe: bool = True,
-             remaining: Sequence[int] | None = None) -> list[int]:
+             remaining: Sequence[int] | None = None, evidence: Sequence[int | None] | None = None) -> list[int]:
         """Draft lengths for the decoding sequences ``request_ids`` (each between its floor and cap).
 
         ``other_tokens``: stream tokens in the step besides the decodes' own (prefill chunks).
@@ -196,16 +239,18 @@ class SpeculationController:
         unless ``probe`` is off: shadow drafts keep the estimates current, and a sequence with no
         observation yet, its own or inherited, waits for one); after drafting the time is spent,
         and ``floors`` keeps the probes' drafts. ``remaining``: each sequence's tokens left to its limit,
-        given when the batch drains (``other_tokens`` is then 0; see :meth:`worth`).
+        given when the batch drains (``other_tokens`` is then 0; see :meth:`worth`). ``evidence``: each
+        sequence's draft's evidence class, when the drafts are known (see the module docstring).
         """
         recs = [self.record(r) for r in request_ids]
+        rates = [self.acceptance(r, e) for r, e in zip(request_ids, evidence or [None] * len(request_ids))]
         caps = [max(0, min(c, self.max_drafts)) for c in caps]
         if not probe:  # shadow drafts will tell: verify nothing on the prior alone
-            caps = [c if rec.acceptance.tries[0] > 0 else 0 for rec, c in zip(recs, caps)]
+            caps = [c if acc.tries[0] > 0 else 0 for acc, c in zip(rates, caps)]
         ks = [min(f, c) for f, c in zip(floors or [0] * len(caps), caps)]
         per_position = self.draft_seconds_per_position if drafting_cost else 0.0
         base = other_tokens + len(recs) + sum(ks)
-        curves = [rec.acceptance.gains(cap) for rec, cap in zip(recs, caps)]
+        curves = [acc.gains(cap) for acc, cap in zip(rates, caps)]
         tokens = [1.0 + sum(c[:k]) for c, k in zip(curves, ks)]
         worth = self.worth(remaining)
         # A sequence's next draft adds prod(rates up to it) tokens, which never grows with its
@@ -331,12 +376,11 @@ class SpeculationController:
         the sampling or verification after it)."""
         self.forward_cost.observe(stream_tokens, seconds)
 
-    def observe_decode(self, request_id: int, drafted: int, accepted: int) -> None:
-        """One decode step of a sequence: ``drafted`` drafts verified, ``accepted`` kept."""
+    def observe_decode(self, request_id: int, drafted: int, accepted: int, evidence: int | None = None) -> None:
+        """One decode step of a sequence: ``drafted`` drafts (of that evidence class) verified, ``accepted`` kept."""
         rec = self.record(request_id)
         if drafted:
-            rec.acceptance.update(drafted, accepted)
-            self.global_acceptance.update(drafted, accepted)
+            self._learn(request_id, evidence, drafted, accepted)
             if rec.idle_steps + 1 >= rec.probe_interval:  # a probe: back off unless drafts pay again now
                 rec.probe_interval = self.probe_interval if self._drafts_pay(rec.acceptance) else 2 * rec.probe_interval
             rec.idle_steps = 0
@@ -350,35 +394,39 @@ class SpeculationController:
                    > plain for k in range(1, self.max_drafts + 1))
 
     def wants_shadow(self, request_id: int) -> bool:
-        """Whether to draft for this sequence without verifying (see the module docstring): none is
-        pending, and drafting a position costs under 2% of a 1-token forward."""
-        return (self.record(request_id).shadow is None
+        """Whether to draft for this sequence without verifying (see the module docstring): fewer than
+        ``max_drafts`` shadow drafts wait (each waits at most that many steps), and drafting a position
+        costs under 2% of a 1-token forward. Every step's draft is a sample of what a verify would have
+        kept at that step, so each one that is scored teaches the estimate."""
+        return (len(self.record(request_id).shadows) < self.max_drafts
                 and self.draft_seconds_per_position <= 0.02 * self.forward_cost(1))
 
-    def shadow(self, request_id: int, length: int, tokens: list[int]) -> None:
-        """An unverified draft of the tokens after the first ``length`` of the sequence."""
+    def shadow(self, request_id: int, length: int, tokens: list[int], evidence: int | None = None) -> None:
+        """An unverified draft (of that evidence class) of the tokens after the first ``length`` of the sequence."""
         if tokens:
-            self.record(request_id).shadow = (length, list(tokens))
+            self.record(request_id).shadows.append((length, list(tokens), evidence))
 
     def has_shadow(self, request_id: int) -> bool:
         """A shadow draft of the sequence waits for its tokens (so :meth:`score_shadow` needs them)."""
         rec = self.records.get(request_id)
-        return rec is not None and rec.shadow is not None
+        return rec is not None and bool(rec.shadows)
 
     def score_shadow(self, request_id: int, token_ids: Sequence[int]) -> None:
-        """Score a pending shadow draft against the sequence's tokens so far, once decided."""
+        """Score the pending shadow drafts against the sequence's tokens so far, each once decided."""
         rec = self.records.get(request_id)
-        if rec is None or rec.shadow is None:
+        if rec is None:
             return
-        start, draft = rec.shadow
-        seen = token_ids[start:start + len(draft)]
-        matched = 0
-        while matched < len(seen) and seen[matched] == draft[matched]:
-            matched += 1
-        if matched < len(seen) or len(seen) == len(draft):  # a miss, or every draft token matched
-            rec.shadow = None
-            rec.acceptance.update(len(draft), matched)
-            self.global_acceptance.update(len(draft), matched)
+        waiting = []
+        for start, draft, evidence in rec.shadows:
+            seen = token_ids[start:start + len(draft)]
+            matched = 0
+            while matched < len(seen) and seen[matched] == draft[matched]:
+                matched += 1
+            if matched < len(seen) or len(seen) == len(draft):  # a miss, or every draft token matched
+                self._learn(request_id, evidence, len(draft), matched)
+            else:
+                waiting.append((start, draft, evidence))
+        rec.shadows = waiting
 
     def release(self, request_id: int) -> None:
         self.records.pop(request_id, None)

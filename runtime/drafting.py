@@ -9,8 +9,9 @@ proposer and, with ``adaptive``, the :class:`~.controller.SpeculationController`
   than it may still emit;
 * the controller picks each length within the cap before drafting, and again after, with the
   drafting time spent (a draft shorter than asked may no longer pay);
-* a proposer that writes no cache (``writes_cache = False``, e.g. n-gram lookup) also drafts, unverified,
-  for sequences the controller turned off (shadow drafts, scored as the target's tokens arrive);
+* a proposer that writes no cache (``writes_cache = False``, e.g. n-gram lookup) drafts for every
+  sequence first, and the controller chooses knowing each draft and its evidence class; the drafts
+  it does not verify are scored, unverified, as the target's tokens arrive (shadow drafts);
 * draft slots are allocated in the KV manager before the forward (copy-on-write copies through
   ``copy_blocks``), and the slots of drafts cut short are given back at once.
 """
@@ -151,6 +152,8 @@ class Speculation:
         ids = [r.request_id for r in decodes]
         shadowing = controller is not None and getattr(self.proposer, "writes_cache", True) is False
         remaining = [r.max_new_tokens - len(r.output_ids) for r in decodes] if draining and not other_tokens else None
+        if shadowing and self.tree is None:
+            return self._look_then_choose(decodes, caps, other_tokens, remaining)
         lengths = (controller.plan(ids, caps, other_tokens, probe=not shadowing, remaining=remaining)
                    if controller is not None else caps)
         if self.tree is not None and ids and controller.tree_pays(ids, caps, self.tree.max_nodes, other_tokens,
@@ -191,6 +194,34 @@ class Speculation:
             if len(d.token_ids) < w.k:  # give back the slots of drafts not verified
                 self._kv.truncate(w.request_id, self._kv.num_tokens(w.request_id) - (w.k - len(d.token_ids)))
         return {i: d for i, d in drafts.items() if d.token_ids}
+
+    def _look_then_choose(self, decodes: list[Request], caps: list[int], other_tokens: int,
+                          remaining: list[int] | None) -> dict[int, Draft]:
+        """Drafts that cost nothing and write no cache (n-gram lookup): every sequence drafts to its cap
+        first, then the controller chooses the lengths knowing each draft's length and evidence class;
+        a draft it does not verify becomes the sequence's shadow draft (scored as its tokens arrive)."""
+        controller = self.controller
+        asked = [DraftRequest(r.request_id, r.all_ids, len(r.prompt_ids), cap, r.params, r.generator)
+                 for r, cap in zip(decodes, caps) if cap > 0]
+        if not asked:
+            return {}
+        t0 = time.perf_counter()
+        proposals = dict(zip((a.request_id for a in asked), self.proposer.propose(asked)))
+        drafting = time.perf_counter() - t0
+        self.draft_s += drafting
+        controller.observe_draft(drafting, max(a.k for a in asked))
+        ids = [r.request_id for r in decodes]
+        got = [proposals[i] if i in proposals else Draft([]) for i in ids]
+        lengths = controller.plan(ids, [len(d.token_ids) for d in got], other_tokens, drafting_cost=False,
+                                  probe=False, remaining=remaining, evidence=[d.evidence for d in got])
+        drafts = {}
+        for r, d, k in zip(decodes, got, lengths):
+            if k > 0 and self._reserve(r, k, k) is not None:  # (None: pool short, a plain decode this step)
+                d.token_ids = d.token_ids[:k]
+                drafts[r.request_id] = d
+            elif d.token_ids and controller.wants_shadow(r.request_id):
+                controller.shadow(r.request_id, len(r.all_ids), d.token_ids, d.evidence)
+        return drafts
 
     def _draft_trees(self, decodes: list[Request]) -> dict[int, Draft]:
         """Token trees: slots for the largest tree the shape may write are allocated, drafting writes (scratch
@@ -241,7 +272,8 @@ class Speculation:
             self.controller.observe_tree(rid, self.tree.depth, len(path))
             self.controller.observe_decode(rid, *chain_in_tree(draft.parents, path))
             return
-        self.controller.observe_decode(rid, len(draft.token_ids) if draft is not None else 0, len(path))
+        self.controller.observe_decode(rid, len(draft.token_ids) if draft is not None else 0, len(path),
+                                       draft.evidence if draft is not None else None)
         if self.controller.has_shadow(rid):
             self.controller.score_shadow(rid, r.all_ids)
 

@@ -69,9 +69,15 @@ class ForwardCost:
         return self.scale * self.shape_seconds(n)
 
     def optimistic(self, n: int) -> float:
-        """What planning reads at ``n``: the estimate, ``uncertainty`` less outside the corrected sizes' span."""
+        """What planning reads at ``n``: the estimate, ``uncertainty`` less outside the corrected sizes' span,
+        but above the span never less than its largest size's estimate (a larger stream never costs less:
+        read cheaper than a plain decode its steps corrected, a verify would look free and be chosen at
+        every size not corrected yet)."""
         lo, hi = self._corrected_span
-        return self(n) * (1.0 if lo <= n <= hi else 1.0 - self.uncertainty)
+        if lo <= n <= hi:
+            return self(n)
+        cheaper = self(n) * (1.0 - self.uncertainty)
+        return max(cheaper, self(hi)) if n > hi >= lo else cheaper
 
     def shape_seconds(self, n: int) -> float:
         """The corrected shape at ``n`` (interpolated; beyond the table, its last segment's slope)."""

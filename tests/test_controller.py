@@ -75,6 +75,18 @@ def test_planning_tries_a_verify_the_table_may_have_made_too_dear():
     assert planned(1.2) == [[0], [3], [3]]  # it costs less: speculation stays
 
 
+def test_a_size_not_corrected_yet_never_reads_cheaper_than_a_smaller_corrected_one():
+    """4 decodes fill one bucket; a 5th token costs 12% more. Read 15% cheaper, it would cost less than the
+    corrected 4-token step, and a batch would verify anything until every larger size was corrected."""
+    cost = ForwardCost({1: 0.8, 4: 1.0, 5: 1.12, 8: 1.12, 9: 1.7})
+    for _ in range(5):
+        cost.observe(4, 1.0)
+        cost.observe(1, 0.8)
+    assert cost.optimistic(4) == pytest.approx(1.0)  # corrected: as estimated
+    assert cost.optimistic(5) == pytest.approx(1.0)  # not below the corrected 4
+    assert cost.optimistic(9) == pytest.approx(1.7 * 0.85)  # far enough above: the discount applies
+
+
 def test_forward_cost_never_falls_with_the_stream():
     """Timing noise that put a larger stream below a smaller one is pooled away (least squares)."""
     cost = ForwardCost({1: 35.0, 2: 56.0, 3: 54.0, 4: 39.0, 8: 60.0})
@@ -152,6 +164,25 @@ def test_plan_speculates_when_it_pays_and_not_when_it_does_not():
     assert ctl.plan([1], [0], 0) == [0]  # a cap of 0 is kept
 
 
+def test_each_evidence_class_learns_its_own_acceptance_and_a_new_sequence_inherits_it():
+    """n-gram drafts from a 3-token match are kept far more often than from a 1-token one: with a verify
+    at 1.4x a decode, one sequence verifies its strong drafts and not its weak ones, and a new sequence
+    starts from what the others taught each class (shadow drafts teach as verified ones do)."""
+    ctl = SpeculationController(4, ForwardCost({1: 1.0, 2: 1.4, 5: 1.4, 8: 2.0}), probe_budget=None)
+    for _ in range(20):
+        ctl.observe_decode(1, 4, 3, evidence=3)  # strong: 3 of 4 kept
+        ctl.shadow(1, 10, [5, 6, 7], evidence=1)  # weak: the first would have missed
+        ctl.score_shadow(1, [0] * 10 + [9])
+    assert ctl.acceptance(1, 3).rates()[0] > 0.9 and ctl.acceptance(1, 1).rates()[0] < 0.1
+    assert ctl.plan([1], [4], 0, drafting_cost=False, probe=False, evidence=[3])[0] > 0
+    assert ctl.plan([1], [4], 0, drafting_cost=False, probe=False, evidence=[1]) == [0]
+    assert ctl.plan([2], [4], 0, drafting_cost=False, probe=False, evidence=[3])[0] > 0  # inherited
+    assert ctl.plan([2], [4], 0, drafting_cost=False, probe=False, evidence=[1]) == [0]
+    assert ctl.plan([2], [4], 0, drafting_cost=False, probe=False, evidence=[2]) == [0]  # nothing seen yet
+    ctl.forget_acceptance()
+    assert ctl.plan([1], [4], 0, drafting_cost=False, probe=False, evidence=[3]) == [0]
+
+
 def test_a_draining_batch_values_tokens_by_the_time_they_cut_from_finishing_it():
     """With requests waiting, every token counts; when the batch drains, drafts for one of several sequences
     tied at the longest remaining length cut (almost) nothing, while drafts for the one that finishes last,
@@ -224,23 +255,20 @@ def test_probes_wait_long_enough_to_cost_at_most_their_budget():
     steep.observe_tree(1, 3, 0)  # a tree of 6 adds 6 forwards: probed after 60 idle steps
     assert [steep.tree_pays([1], [3], 6, 0, 1.0) for _ in range(60)] == [False] * 59 + [True]
 
-def test_a_shadow_draft_is_scored_when_the_target_decides_it():
+def test_shadow_drafts_are_scored_when_the_target_decides_them():
     ctl = SpeculationController(3, ForwardCost({1: 1.0, 8: 1.0}))  # verifying is free...
     ctl.record(4).acceptance = Acceptance.prior(3, 0.5, weight=0.0, decay=1.0)
     assert ctl.plan([4], [3], 0, probe=False) == [0]  # ...but with shadows nothing runs on the prior alone
     assert ctl.wants_shadow(4)
     ctl.shadow(4, 10, [5, 6, 7])  # drafted after the first 10 tokens
-    assert not ctl.wants_shadow(4)  # one at a time
-    ctl.score_shadow(4, list(range(10)) + [5])  # first draft right, the rest undecided
-    assert ctl.records[4].shadow is not None
-    ctl.score_shadow(4, list(range(10)) + [5, 9])  # second wrong: tried 2, accepted 1
-    assert ctl.records[4].shadow is None and ctl.records[4].acceptance.rates() == [1.0, 0.0, 0.0]
-    ctl.shadow(4, 12, [1, 2])
-    ctl.score_shadow(4, list(range(12)) + [1, 2, 3])  # all right
-    assert ctl.records[4].acceptance.rates() == [1.0, 0.5, 0.5]
-    assert ctl.plan([4], [3], 0, probe=False) == [3]  # observed now
-    ctl.draft_seconds_per_position = 0.5  # drafting as dear as half a forward: no shadows
-    assert not ctl.wants_shadow(4)
+    ctl.shadow(4, 11, [6, 7, 8])  # and after 11: each step's draft is a sample
+    ctl.shadow(4, 12, [1, 2, 3])
+    assert not ctl.wants_shadow(4)  # at most max_drafts wait
+    ctl.score_shadow(4, list(range(10)) + [5])  # the first's first draft right, the rest undecided
+    assert len(ctl.records[4].shadows) == 3
+    ctl.score_shadow(4, list(range(10)) + [5, 9, 1])  # first: 1 of 2 kept; second: 0 of 1; third: 1 so far
+    assert [s[0] for s in ctl.records[4].shadows] == [12] and ctl.wants_shadow(4)
+    assert ctl.records[4].acceptance.rates() == [0.5, 0.0, 0.0]
 
 
 # ------------------------------------------------------------------------------ engine level
@@ -300,13 +328,13 @@ def test_adaptive_follows_acceptance_under_a_measured_cost(right):
 @pytest.mark.parametrize("family, draft", [("llama", "layer_skip:1"), ("gpt2", "layer_skip:1"), ("llama", "ngram")])
 def test_greedy_output_does_not_depend_on_the_chosen_lengths(family, draft, monkeypatch):
     """Whatever lengths the controller picks (here random, before and after drafting; with ngram,
-    the sequences given none also get shadow drafts), greedy speculation returns the target's
+    after looking at every sequence's draft, and the drafts not verified become shadow drafts), greedy speculation returns the target's
     tokens, at batch 1 and batch 3."""
     model = make_family(family)
     rng = random.Random(0)
     spec = specgraph.Engine(model, lowering="eager", num_blocks=64, page_size=8, draft=draft, num_draft_tokens=3)
     monkeypatch.setattr(spec.controller, "plan", lambda ids, caps, other, drafting_cost=True, floors=None, probe=True,
-                        remaining=None:
+                        remaining=None, evidence=None:
                         [rng.randint(0, c) for c in caps])
     for prompts in (random_prompts(family, [8]), random_prompts(family, [5, 9, 7], seed=2)):
         want = _reference(model, prompts, 12)

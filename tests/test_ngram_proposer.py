@@ -36,7 +36,7 @@ def test_is_a_proposer():
     p.release(0)
     # a sampling request: the deterministic proposal ignores params and generator
     request = DraftRequest(0, [1, 2, 1], 3, 2, SamplingParams(temperature=0.8), torch.Generator())
-    assert p.propose([request]) == [Draft([2, 1])]
+    assert p.propose([request]) == [Draft([2, 1], evidence=1)]  # matched the 1-gram [1]
 
 
 def test_worked_example():
@@ -79,7 +79,7 @@ def test_batch_keeps_request_order():
         DraftRequest(3, [1, 2, 3], num_prompt_tokens=3, k=2),
         DraftRequest(5, [9, 8, 9], num_prompt_tokens=1, k=1),
     ]
-    assert NgramProposer().propose(requests) == [Draft([2, 1]), Draft([]), Draft([8])]
+    assert NgramProposer().propose(requests) == [Draft([2, 1], evidence=1), Draft([]), Draft([8], evidence=1)]
 
 
 @pytest.mark.parametrize("max_ngram, min_ngram", [(1, 1), (3, 1), (4, 2)])
@@ -123,3 +123,12 @@ def test_bad_sizes():
         NgramProposer(max_ngram=2, min_ngram=3)
     with pytest.raises(ValueError):
         NgramProposer(max_ngram=0, min_ngram=0)
+
+
+def test_a_draft_carries_the_length_of_the_suffix_it_matched():
+    p = NgramProposer(max_ngram=3)
+    seq = [5, 6, 7, 8, 1, 6, 7, 9, 6, 7]  # [6, 7] occurred before (twice), [9, 6, 7] did not
+    assert p.longest_match(seq) == (6, 2)  # the most recent earlier [6, 7] ends at 6, followed by 9
+    assert p.propose([DraftRequest(0, seq, 2, 3)]) == [Draft([9, 6, 7], evidence=2)]
+    assert p.propose([DraftRequest(0, [1, 2, 3, 1, 2, 3], 2, 2)])[0].evidence == 3
+    assert p.longest_match([1, 2, 3]) is None and p.propose([DraftRequest(0, [1, 2, 3], 2, 2)]) == [Draft([])]

@@ -64,6 +64,9 @@ class Draft:
     # a token tree: parents[i] < i is the draft node token i follows, -1 the last committed token
     # (runtime/token_tree.py); None: a chain. Trees are verified as deterministic candidates (no probs).
     parents: list[int] | None = None
+    # how much the proposer's evidence backs the draft, as a small class the controller keeps acceptance
+    # per (n-gram lookup: the matched suffix's length); None: no such signal
+    evidence: int | None = None
 
     def __post_init__(self) -> None:
         if self.probs is not None:

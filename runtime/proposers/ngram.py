@@ -78,18 +78,47 @@ class NgramProposer:
         return cls(max_ngram=n)
 
     def propose(self, requests: list[DraftRequest]) -> list[Draft]:
-        return [Draft(self.lookup(r.token_ids, r.k)) for r in requests]
+        """Each request's :meth:`lookup`; a draft's ``evidence`` is the length of the suffix it matched
+        (longer matches are kept more often: on SmolLM2's replies, about 15-25% of 1-token matches' first
+        drafts against 75-80% of 3-token ones)."""
+        out = []
+        for r in requests:
+            match = self.longest_match(r.token_ids) if r.k > 0 else None
+            if match is None:
+                out.append(Draft([]))
+            else:
+                end, n = match
+                out.append(Draft([int(t) for t in r.token_ids[end + 1:end + 1 + r.k]], evidence=n))
+        return out
 
     def lookup(self, token_ids: list[int], k: int) -> list[int]:
         """The draft for one sequence (see the class docstring)."""
-        if k <= 0:
-            return []
-        ends = self.occurrences(token_ids, limit=1)
-        return [int(t) for t in token_ids[ends[0] + 1 : ends[0] + 1 + k]] if ends else []
+        match = self.longest_match(token_ids) if k > 0 else None
+        return [int(t) for t in token_ids[match[0] + 1:match[0] + 1 + k]] if match else []
+
+    def longest_match(self, token_ids: list[int]) -> tuple[int, int] | None:
+        """(end, n): where the most recent earlier occurrence of the longest matching suffix ends, and its
+        length ``n``; None when no suffix of at least ``min_ngram`` tokens occurred before."""
+        by_n = self._ends_by_n(token_ids)
+        return (int(by_n[-1][1][0]), by_n[-1][0]) if by_n else None
 
     def occurrences(self, token_ids: list[int], limit: int = MAX_OCCURRENCES) -> list[int]:
         """Ends of earlier occurrences of the sequence's suffix: those of the longest matching n-gram first
         (``n <= max_ngram``), then of shorter ones down to ``min_ngram``; most recent first within each n."""
+        out: list[int] = []
+        seen: set[int] = set()
+        for _, ends in reversed(self._ends_by_n(token_ids)):  # longest n first
+            for e in ends.tolist():
+                if e not in seen:
+                    seen.add(e)
+                    out.append(e)
+                    if len(out) == limit:
+                        return out
+        return out
+
+    def _ends_by_n(self, token_ids: list[int]) -> list[tuple[int, np.ndarray]]:
+        """(n, ends of the earlier occurrences of the last n tokens, most recent first) for each matching n
+        from ``min_ngram`` up."""
         length = len(token_ids)
         if length < self.min_ngram + 1:  # a match needs one token after it
             return []
@@ -107,17 +136,8 @@ class NgramProposer:
             if ends.size == 0:
                 break
             if n >= self.min_ngram:
-                by_n.append(ends[::-1])
-        out: list[int] = []
-        seen: set[int] = set()
-        for ends in reversed(by_n):  # longest n first
-            for e in ends.tolist():
-                if e not in seen:
-                    seen.add(e)
-                    out.append(e)
-                    if len(out) == limit:
-                        return out
-        return out
+                by_n.append((n, ends[::-1]))
+        return by_n
 
     def propose_tree(self, requests: list[DraftRequest], shape) -> list[Draft]:
         """Trees of the continuations of the suffix's earlier occurrences (:meth:`occurrences`): a node's
