@@ -179,8 +179,15 @@ def test_each_evidence_class_learns_its_own_acceptance_and_a_new_sequence_inheri
     assert ctl.plan([2], [4], 0, drafting_cost=False, probe=False, evidence=[3])[0] > 0  # inherited
     assert ctl.plan([2], [4], 0, drafting_cost=False, probe=False, evidence=[1]) == [0]
     assert ctl.plan([2], [4], 0, drafting_cost=False, probe=False, evidence=[2]) == [0]  # nothing seen yet
-    ctl.forget_acceptance()
+    served = ctl.engine_wide()
+    ctl.forget_acceptance()  # back to the prior: nothing seen
     assert ctl.plan([1], [4], 0, drafting_cost=False, probe=False, evidence=[3]) == [0]
+    for _ in range(2):  # back to a served engine's state, whatever the runs in between learned
+        ctl.forget_acceptance(served)
+        assert ctl.acceptance(3, 3).rates()[0] >= 0.9
+        for _ in range(30):
+            ctl.observe_decode(3, 4, 0, evidence=3)
+        assert ctl.acceptance(4, 3).rates()[0] < 0.5  # a later sequence inherits the misses
 
 
 def test_a_draining_batch_values_tokens_by_the_time_they_cut_from_finishing_it():
