@@ -14,7 +14,12 @@ exactly the kernels the capture recorded, on the same addresses. So
   cache tensors are the ones captured, so a call with other cache tensors (a new pool) captures
   again rather than writing into freed memory;
 * the **outputs** live in the graph's memory pool and the next replay overwrites them, so a replay
-  returns copies (the logits of at most a bucket's rows: cheap beside a step).
+  returns copies (the logits of at most a bucket's rows: cheap beside a step); an output that is
+  an in-place input (a graph that also returns its caches) is returned as that input, uncopied.
+
+A background compile (``Engine(compile_in_background=True)``) captures in its own thread while the
+engine keeps stepping on the eager lowering, so the capture only forbids unsafe calls in its own
+thread (``capture_error_mode="thread_local"``).
 
 Nothing in a step may wait on the host: the attention kernels take their grid from static shapes
 and derive per-token sequence ids on the device (``kernels/attention_kernel.py``), and metadata is
@@ -49,6 +54,7 @@ class GraphedStep:
         self._static: list = []
         self._addresses: tuple = ()
         self._out = None
+        self._in_place_storages: set[int] = set()
         self.failure: str | None = None  # why a capture failed (the step then runs ``fn`` directly)
 
     def _in_place_addresses(self, inputs: Sequence) -> tuple:
@@ -81,9 +87,11 @@ class GraphedStep:
         self._addresses = self._in_place_addresses(inputs)
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             self._out = self.fn(*self._static)
         self._graph = graph
+        self._in_place_storages = {x.untyped_storage().data_ptr() for x, keep in zip(self._static, self.in_place)
+                                   if keep and isinstance(x, torch.Tensor)}
         self.captures += 1
 
     def _replay(self, inputs: Sequence):
@@ -91,12 +99,13 @@ class GraphedStep:
             if not keep and isinstance(x, torch.Tensor):
                 buf.copy_(x, non_blocking=True)
         self._graph.replay()
-        return _copy_outputs(self._out)
+        return _copy_outputs(self._out, self._in_place_storages)
 
 
-def _copy_outputs(out):
+def _copy_outputs(out, keep_storages: set[int]):
+    """``out`` with every tensor copied, except those over a storage in ``keep_storages``."""
     if isinstance(out, torch.Tensor):
-        return out.clone()
+        return out if out.untyped_storage().data_ptr() in keep_storages else out.clone()
     if isinstance(out, (list, tuple)):
-        return type(out)(_copy_outputs(o) for o in out)
+        return type(out)(_copy_outputs(o, keep_storages) for o in out)
     return out

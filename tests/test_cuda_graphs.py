@@ -43,6 +43,20 @@ def test_graphed_step_replays_new_inputs_and_writes_the_cache_in_place():
 
 
 @cuda
+def test_a_replay_returns_copies_except_of_the_inputs_it_writes_in_place():
+    def step(x, cache):
+        cache.add_(1)
+        return x * 2, cache
+
+    dev = torch.device("cuda")
+    cache = torch.zeros(3, device=dev)
+    graphed = GraphedStep(step, [False, True])
+    outs = [graphed(torch.full((2,), float(i), device=dev), cache) for i in range(4)]
+    assert [o[0].tolist() for o in outs] == [[0.0, 0.0], [2.0, 2.0], [4.0, 4.0], [6.0, 6.0]]  # not overwritten
+    assert outs[-1][1] is cache and cache.tolist() == [4.0, 4.0, 4.0]
+
+
+@cuda
 def test_engine_with_cuda_graphs_equals_the_eager_lowering_as_batches_change():
     model = _tiny("cuda")
     graphed = specgraph.Engine(model, lowering="inductor", page_size=8, num_blocks=64)
