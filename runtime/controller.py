@@ -248,6 +248,7 @@ class SpeculationController:
         if not probe:  # shadow drafts will tell: verify nothing on the prior alone
             caps = [c if acc.tries[0] > 0 else 0 for acc, c in zip(rates, caps)]
         ks = [min(f, c) for f, c in zip(floors or [0] * len(caps), caps)]
+        floor_ks = list(ks)
         per_position = self.draft_seconds_per_position if drafting_cost else 0.0
         base = other_tokens + len(recs) + sum(ks)
         curves = [acc.gains(cap) for acc, cap in zip(rates, caps)]
@@ -270,6 +271,13 @@ class SpeculationController:
             ks[i] += 1
             tokens[i] += gain
             extra += 1
+        if remaining is not None and best != floor_ks:  # the walk read each sequence's expected tokens
+            seconds = lambda plan: (self.forward_cost.optimistic(other_tokens + len(recs) + sum(plan))  # noqa: E731
+                                    + per_position * max(plan, default=0))
+            exact = [self.expected_worth(remaining, [c[:k] for c, k in zip(curves, plan)]) / seconds(plan)
+                     for plan in (best, floor_ks)]
+            if exact[0] <= exact[1]:
+                best, best_rate = floor_ks, exact[1]
         ks = best
         self.last_rate = best_rate
         self.probes = set()
@@ -328,16 +336,49 @@ class SpeculationController:
         """
         if remaining is None:
             return sum
+        now = self._finish_seconds(remaining)
+        return lambda tokens: now - self._finish_seconds([r - t for r, t in zip(remaining, tokens)])
 
-        def finish_seconds(left: Sequence[float]) -> float:
-            total, before, rs = 0.0, 0.0, sorted(max(0.0, x) for x in left)
-            for j, x in enumerate(rs):
-                total += (x - before) * self.forward_cost(len(rs) - j)
-                before = x
-            return total
+    def _finish_seconds(self, left: Sequence[float]) -> float:
+        """Seconds plain decoding takes to give each sequence its ``left`` tokens (see :meth:`worth`)."""
+        total, before, rs = 0.0, 0.0, sorted(max(0.0, x) for x in left)
+        for j, x in enumerate(rs):
+            total += (x - before) * self.forward_cost(len(rs) - j)
+            before = x
+        return total
 
-        now = finish_seconds(remaining)
-        return lambda tokens: now - finish_seconds([r - t for r, t in zip(remaining, tokens)])
+    def expected_worth(self, remaining: Sequence[int], gains: Sequence[Sequence[float]]) -> float:
+        """:meth:`worth` of a draining step, over the outcomes rather than at each sequence's expected tokens.
+
+        ``gains[i]``: sequence i's drafts' gains (:meth:`Acceptance.gains` of its chosen length), so it
+        emits ``1 + x`` tokens with ``P(x >= j) = gains[i][j - 1]``; sequences are taken as independent.
+        The batch is done when its slowest sequence is, so reading expected tokens overstates a plan that
+        drafts for all of them: four sequences each expected to gain 2.8 tokens finish no sooner when one
+        of them gains none. Plain decoding takes ``T(r) = sum over levels l >= 0 of c(N(l))`` seconds, with
+        ``N(l)`` the sequences with more than ``l`` tokens left; after the step this sums ``E[c(N(l))]``:
+        exactly (a Poisson-binomial count) at the levels where some sequence may or may not be done, and
+        as ``c(N)`` times their number over the stretches of levels where none is in doubt."""
+        n = len(remaining)
+        first_doubt = [r - len(g) - 1 for r, g in zip(remaining, gains)]  # levels first_doubt..r-2 are in doubt
+
+        def running(i: int, level: int) -> float:  # P(sequence i has more than `level` tokens left after the step)
+            m = remaining[i] - level  # it stays running unless it emits at least m tokens
+            return 0.0 if m <= 1 else 1.0 - (gains[i][m - 2] if m - 2 < len(gains[i]) else 0.0)
+
+        edges = sorted({0} | {max(0, d) for d in first_doubt} | {max(0, r - 1) for r in remaining})
+        after = 0.0
+        for start, end in zip(edges, edges[1:]):
+            if not any(d <= start <= r - 2 for d, r in zip(first_doubt, remaining)):  # nothing in doubt here
+                count = sum(start < d for d in first_doubt)  # surely running: before their levels in doubt
+                after += (end - start) * (self.forward_cost(count) if count else 0.0)
+                continue
+            for level in range(start, end):
+                dist = [1.0]  # P(N = j) over the sequences taken so far
+                for i in range(n):
+                    p = running(i, level)
+                    dist = [a * (1 - p) + b * p for a, b in zip(dist + [0.0], [0.0] + dist)]
+                after += sum(q * self.forward_cost(j) for j, q in enumerate(dist) if j and q)
+        return self._finish_seconds(remaining) - after
 
     def _probe_stretch(self, extra_seconds: float, step_seconds: float) -> float:
         """How many times ``probe_interval`` a probe that adds ``extra_seconds`` to a step of ``step_seconds``

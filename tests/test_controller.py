@@ -190,6 +190,38 @@ def test_each_evidence_class_learns_its_own_acceptance_and_a_new_sequence_inheri
         assert ctl.acceptance(4, 3).rates()[0] < 0.5  # a later sequence inherits the misses
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 12), st.lists(st.floats(0.0, 1.0), max_size=3)), min_size=1, max_size=4))
+def test_expected_worth_of_a_draining_step_is_the_mean_over_its_outcomes(batch):
+    """Brute force over every combination of tokens the sequences may emit (independent)."""
+    ctl = SpeculationController(4, ForwardCost({1: 1.0, 4: 1.3, 5: 1.4, 8: 1.4, 9: 2.0}))
+    remaining = [r for r, _ in batch]
+    gains = [list(itertools.accumulate(rates, lambda a, b: a * b)) for _, rates in batch]  # P(x >= j)
+    mean = 0.0
+    for xs in itertools.product(*[range(len(g) + 1) for g in gains]):
+        p = 1.0
+        for g, x in zip(gains, xs):
+            p *= (g[x - 1] if x else 1.0) - (g[x] if x < len(g) else 0.0)
+        mean += p * (ctl._finish_seconds(remaining) - ctl._finish_seconds([r - 1 - x for r, x in zip(remaining, xs)]))
+    assert ctl.expected_worth(remaining, gains) == pytest.approx(mean, abs=1e-9)
+
+
+def test_a_draining_plan_that_pays_only_at_the_expected_tokens_is_not_taken():
+    """Four sequences tied at 40 tokens, drafts kept 60% of the time: at each one's expected tokens (2.5 more
+    per verify) drafting all of them pays; but the batch ends with its slowest, and over the outcomes the
+    verify's 1.5x cost is not repaid."""
+    ctl = SpeculationController(3, ForwardCost({1: 1.0, 4: 1.0, 16: 1.5}), probe_budget=None)
+    for i in range(4):
+        ctl.record(i).acceptance = Acceptance.prior(3, 0.6, weight=1e9)
+    curves = [ctl.record(i).acceptance.gains(3) for i in range(4)]
+    expected = ctl.worth([40] * 4)([1 + sum(c) for c in curves]) / 1.5
+    assert expected > ctl.worth([40] * 4)([1.0] * 4) / 1.0  # what the walk reads: drafting pays
+    assert ctl.expected_worth([40] * 4, curves) / 1.5 < 1.0  # over the outcomes it does not
+    assert ctl.plan(list(range(4)), [3] * 4, 0, drafting_cost=False, remaining=[40] * 4) == [0] * 4
+    ctl.forward_cost = ForwardCost({1: 1.0, 4: 1.0, 16: 1.05})  # nearly free: now it pays either way
+    assert ctl.plan(list(range(4)), [3] * 4, 0, drafting_cost=False, remaining=[40] * 4) == [3] * 4
+
+
 def test_a_draining_batch_values_tokens_by_the_time_they_cut_from_finishing_it():
     """With requests waiting, every token counts; when the batch drains, drafts for one of several sequences
     tied at the longest remaining length cut (almost) nothing, while drafts for the one that finishes last,
