@@ -29,7 +29,9 @@ the controller walks the stream sizes that way and keeps the lengths with the mo
 predicted second (forward + drafting). While requests wait, every token is throughput; when none
 waits the batch drains, and a token counts by the seconds it cuts from finishing the batch
 (:meth:`SpeculationController.worth`): in a closed batch whose sequences all need the same number of
-steps, drafts for one of them make every step dearer and finish nothing sooner. It decides twice:
+steps, drafts for one of them make every step dearer and finish nothing sooner; and since the batch
+ends with its slowest sequence, a plan for several is checked over the outcomes, not at each one's
+expected tokens (:meth:`SpeculationController.expected_worth`). It decides twice:
 before drafting (draft cost counts) and after (drafts are sunk; a draft shorter than asked caps the
 length). A sequence left at k = 0 learns nothing from verification, so it keeps learning in one of
 two ways:
@@ -260,7 +262,7 @@ class SpeculationController:
         best_rate, best = -1.0, list(ks)
         extra = 0
         while True:
-            seconds = self.forward_cost.optimistic(base + extra) + per_position * max(ks, default=0)
+            seconds = self._plan_seconds(base + extra, ks, per_position)
             rate = worth(tokens) / seconds if seconds > 0 else float("inf")
             if rate > best_rate * (1 + 1e-9):
                 best_rate, best = rate, list(ks)
@@ -271,10 +273,10 @@ class SpeculationController:
             ks[i] += 1
             tokens[i] += gain
             extra += 1
-        if remaining is not None and best != floor_ks:  # the walk read each sequence's expected tokens
-            seconds = lambda plan: (self.forward_cost.optimistic(other_tokens + len(recs) + sum(plan))  # noqa: E731
-                                    + per_position * max(plan, default=0))
-            exact = [self.expected_worth(remaining, [c[:k] for c, k in zip(curves, plan)]) / seconds(plan)
+        # the walk read each sequence's expected tokens: exact for one sequence, not for several (expected_worth)
+        if remaining is not None and len(recs) > 1 and best != floor_ks:
+            exact = [self.expected_worth(remaining, [c[:k] for c, k in zip(curves, plan)])
+                     / self._plan_seconds(other_tokens + len(recs) + sum(plan), plan, per_position)
                      for plan in (best, floor_ks)]
             if exact[0] <= exact[1]:
                 best, best_rate = floor_ks, exact[1]
@@ -292,6 +294,10 @@ class SpeculationController:
                 ks[i] = min(cap, self.probe_length)  # re-probe a sequence speculation was turned off for
                 self.probes.add(request_ids[i])
         return ks
+
+    def _plan_seconds(self, stream: int, lengths: Sequence[int], per_position: float) -> float:
+        """What planning reads a step of ``stream`` tokens with these draft lengths to cost."""
+        return self.forward_cost.optimistic(stream) + per_position * max(lengths, default=0)
 
     def tree_tokens(self, request_id: int, depth: int) -> float:
         """Expected tokens one tree verify adds to this sequence (see the module docstring)."""
