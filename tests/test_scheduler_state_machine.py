@@ -69,6 +69,7 @@ class HashChainProgram:
         return 8
 
     recompiles = 0  # nothing is compiled: the step is plain Python
+    captures = 0  # no CUDA graphs either
     buckets = ()  # no static step graphs
     compiling = False
     hot_cold = False  # one kind of page
