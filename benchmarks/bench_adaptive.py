@@ -86,15 +86,20 @@ def class_prompts(prompt_set: str) -> dict[str, list[str]]:
     return {"code": cycle(code), "chat": cycle(chat)}
 
 
+def use_setting(engine, adaptive: bool, k: int, tree: str | None) -> None:
+    """Switch a draft engine to a setting: adaptive or fixed, its (largest) draft length and tree."""
+    engine.adaptive, engine.num_draft_tokens = adaptive, k
+    if engine.default_tree is not None:
+        engine.draft_tree = tree
+
+
 def run_unit(engine, adaptive: bool, k: int, tree: str | None, cap: int | None, prompts: list[list[int]],
              temp: float, n: int, seed: int, served: dict | None = None) -> dict:
     """One ``generate`` call (one prompt at batch 1, all of them at batch 4) under one setting; ``cap``
     bounds every request's drafts per step (0: none). The controller starts from ``served`` (its
     engine-wide estimates after :func:`serve_warm_up`), or from its prior."""
     if engine.proposer is not None:
-        engine.adaptive, engine.num_draft_tokens = adaptive, k
-        if engine.default_tree is not None:
-            engine.draft_tree = tree
+        use_setting(engine, adaptive, k, tree)
         engine.controller.forget_acceptance(served)  # no run learns from another timed run
     engine.reset_stats()
     gc.collect()
@@ -111,9 +116,7 @@ def run_unit(engine, adaptive: bool, k: int, tree: str | None, cap: int | None, 
 def serve_warm_up(engine, tok, k: int, tree: str | None, n: int) -> dict:
     """The controller's engine-wide estimates after serving the ``REPLAY_*`` prompts (code and chat, greedy
     and sampled, adaptive): the state a served engine starts a request from. Never a timed prompt."""
-    engine.adaptive, engine.num_draft_tokens = True, k
-    if engine.default_tree is not None:
-        engine.draft_tree = tree
+    use_setting(engine, True, k, tree)
     engine.controller.forget_acceptance()
     prompts = [chat_prompt_ids(tok, t) for t in REPLAY_CODE_PROMPTS + REPLAY_CHAT_PROMPTS]
     for temp in TEMPERATURES:
