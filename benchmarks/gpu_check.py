@@ -72,7 +72,7 @@ def gpu_tests() -> None:
     print("0. the GPU tests", flush=True)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, TRITON_INTERPRET="0")  # tests/conftest.py would otherwise interpret the kernels
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider",
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", "-p", "no:logging",
                            "tests/test_cuda_graphs.py"], cwd=root, env=env)
     check("tests/test_cuda_graphs.py", done.returncode == 0, f"pytest exit code {done.returncode}")
 

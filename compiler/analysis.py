@@ -307,9 +307,9 @@ def sample_inputs(gm: fx.GraphModule, input_ids: fx.Node, seq_len_expr, vocab: i
             if node is not input_ids and isinstance(example, torch.Tensor) and list(example.shape) == shape:
                 values.append(example)  # scalars Dynamo lifted to inputs keep their real value
             elif node is input_ids:
-                values.append(ids if ids is not None else torch.randint(0, vocab, shape, generator=gen))
+                values.append((ids if ids is not None else torch.randint(0, vocab, shape, generator=gen)).to(val.device))
             else:
-                values.append(torch.randn(shape, generator=gen).to(val.dtype))
+                values.append(torch.randn(shape, generator=gen).to(val.device, val.dtype))
         else:
             values.append(val)
     return values

@@ -189,9 +189,14 @@ class PassManager:
 
     def _check(self, name: str, before: fx.GraphModule, samples_before: dict, after: fx.GraphModule,
                ctx: PassContext, atol: float) -> None:
+        device = next(iter(after.parameters()), torch.empty(0)).device  # passes make metadata samples on the host
+
+        def args(gm, values):
+            return [v.to(device) if isinstance(v, torch.Tensor) else v for v in placeholder_args(gm, values)]
+
         with torch.no_grad():
-            ref = _logits_output(before(*placeholder_args(before, samples_before)), ctx)
-            got = _logits_output(after(*placeholder_args(after, ctx.sample_inputs)), ctx)
+            ref = _logits_output(before(*args(before, samples_before)), ctx)
+            got = _logits_output(after(*args(after, ctx.sample_inputs)), ctx)
         if ref.shape != got.shape or not torch.allclose(ref, got, atol=atol, rtol=1e-4):
             diff = (ref - got).abs().max().item() if ref.shape == got.shape else f"shape {ref.shape} vs {got.shape}"
             raise PassCheckError(f"pass {name!r} changed the graph's output (max diff {diff})")

@@ -34,6 +34,11 @@ def fake_like(gm: fx.GraphModule, shape, dtype) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype)
 
 
+def is_whole_size(target) -> bool:
+    """``aten.size(x)`` (the packet or its overload), which some torch versions capture for ``x.size()``."""
+    return target is torch.ops.aten.size or target is torch.ops.aten.size.default
+
+
 class _FakeProp(fx.Interpreter):
     """Runs the graph on fake values, parameters included, recording each node's ``meta["val"]``."""
 
@@ -46,7 +51,15 @@ class _FakeProp(fx.Interpreter):
 
     def get_attr(self, target, args, kwargs):
         val = self.current_node.meta.get("val")
-        return val if val is not None else self.mode.from_tensor(super().get_attr(target, args, kwargs))
+        if val is not None:
+            return val
+        # static: a weight's sizes are constants, and symbols for them would add guards to Dynamo's shapes
+        return self.mode.from_tensor(super().get_attr(target, args, kwargs), static_shapes=True)
+
+    def call_function(self, target, args, kwargs):
+        if is_whole_size(target):  # a fake dispatch returns ints (a guard on each symbol)
+            return tuple(args[0].size())
+        return super().call_function(target, args, kwargs)
 
     def run_node(self, n):
         self.current_node = n

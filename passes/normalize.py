@@ -14,14 +14,19 @@ Before / after::
 Cases: ``dropout(train=False)``, ``to``/``type_as`` to the same dtype, ``alias``/``detach``,
 full slices ``slice(x, d, 0, >= size)``, ``x + 0``, ``x * 1``, ``cat`` with empty operands (a
 cache-free capture of a model that still concatenates an empty past), then dead-code elimination.
+A whole-size read ``aten.size(x)`` indexed by ``getitem`` becomes one ``sym_size.int(x, d)`` per
+dimension (some torch versions capture ``x.size()`` so; re-running it on fake tensors reads every
+dimension as an int, which pins the dynamic sequence length).
 """
 from __future__ import annotations
+
+import operator
 
 import torch
 import torch.fx as fx
 
 from ..compiler.passes import PassContext, PassResult
-from .graph_utils import remove_dead_code
+from .graph_utils import is_whole_size, remove_dead_code
 
 aten = torch.ops.aten
 INT_MAX = 2**63 - 1
@@ -87,9 +92,29 @@ def normalize(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         if src is not None:
             node.replace_all_uses_with(src)
             removed += 1
+    removed += _split_size_reads(gm.graph)
     # detach_ on a lifted constant is an in-place op with no effect on the value; drop unused ones
     for node in list(gm.graph.nodes):
         if node.op == "call_function" and node.target == aten.detach_.default and not node.users:
             gm.graph.erase_node(node)
     remove_dead_code(gm.graph)
     return PassResult(modified=removed > 0, matched=removed)
+
+
+def _split_size_reads(graph: fx.Graph) -> int:
+    """``getitem(aten.size(x), d)`` -> ``sym_size.int(x, d)``; returns how many size reads went."""
+    split = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or not is_whole_size(node.target):
+            continue
+        if not all(u.op == "call_function" and u.target is operator.getitem for u in node.users):
+            continue
+        for user in list(node.users):
+            with graph.inserting_before(user):
+                dim = graph.call_function(aten.sym_size.int, (node.args[0], user.args[1]))
+            dim.meta.update(user.meta)
+            user.replace_all_uses_with(dim)
+            graph.erase_node(user)
+        graph.erase_node(node)
+        split += 1
+    return split

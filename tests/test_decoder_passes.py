@@ -156,3 +156,40 @@ def test_cpu_lowering_prepacks_linear_weights_for_onednn():
 def test_dump_dir_holds_the_cpu_kernels_source(tmp_path):
     compile_decoder(make_family("llama"), BackendOptions(page_size=8, dump_dir=str(tmp_path)))
     assert "paged_attention_short" in (tmp_path / "cpu_kernels.cpp").read_text()
+
+
+@pytest.mark.parametrize("size_op", [torch.ops.aten.size, torch.ops.aten.size.default])
+def test_a_whole_size_read_keeps_the_sequence_length_symbolic(size_op):
+    """torch 2.11 captures ``x.size()`` as ``aten.size`` + ``getitem``: re-running that on fake
+    tensors must not pin the dynamic size (Dynamo then refuses its own guards), and normalize
+    turns it into per-dimension ``sym_size`` reads with the same result."""
+    import operator
+
+    import torch.fx as fx
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+
+    from specgraph.compiler.passes import PassContext
+    from specgraph.passes.graph_utils import refresh_meta
+    from specgraph.passes.normalize import normalize
+
+    aten = torch.ops.aten
+    g = fx.Graph()
+    x = g.placeholder("x")
+    size = g.call_function(size_op, (x,))
+    length = g.call_function(operator.getitem, (size, 1))
+    g.output(g.call_function(aten.mul.Tensor, (x, length)))
+    gm = fx.GraphModule(torch.nn.Module(), g)
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    dynamic = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.STATIC, DimDynamic.DYNAMIC])
+    x.meta["val"] = mode.from_tensor(torch.ones(2, 8), symbolic_context=dynamic)
+    gm.meta["fake_mode"] = mode
+    refresh_meta(gm)
+    assert not mode.shape_env.guards and isinstance(length.meta["val"], torch.SymInt)
+    normalize(gm, PassContext(options=BackendOptions()))
+    gm.recompile()
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert size_op not in targets and operator.getitem not in targets
+    assert aten.sym_size.int in targets
+    real = torch.randn(2, 5)
+    torch.testing.assert_close(gm(real), real * 5)
