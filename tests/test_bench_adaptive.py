@@ -22,3 +22,35 @@ def test_the_best_fixed_setting_is_chosen_without_the_round_it_is_compared_in():
     assert same_rounds < mean
     with pytest.raises(ValueError, match="two rounds"):
         held_out_best_speedup({"adaptive": [[1.0]], "k=2": [[1.0]]}, "adaptive", ["k=2"])
+
+
+def test_pooled_runs_put_each_units_rounds_one_after_another_and_refuse_other_workloads():
+    from pool_adaptive import pooled_seconds
+
+    def report(seconds, repeats=2, prompt_set="heldout"):
+        return dict(config=dict(prompt_set=prompt_set, new_tokens=64, proposers=["ngram"], ks=[2], repeats=repeats),
+                    cpu="cpu", classes=["code b1 greedy"], seconds={"code b1 greedy": seconds})
+
+    a = report({"none": [[2.0, 2.0]], "ngram k=2": [[1.0, 3.0]], "ngram adaptive": [[1.5, 1.5]]})
+    b = report({"none": [[2.0, 2.0]], "ngram k=2": [[3.0, 3.0]], "ngram adaptive": [[1.0, 1.0]]})
+    pooled = pooled_seconds([a, b])
+    assert pooled["code b1 greedy"]["ngram k=2"] == [[1.0, 3.0, 3.0, 3.0]]
+    assert pooled["code b1 greedy"]["ngram adaptive"] == [[1.5, 1.5, 1.0, 1.0]]
+    with pytest.raises(ValueError, match="prompt_set"):
+        pooled_seconds([a, report(b["seconds"]["code b1 greedy"], prompt_set="benchmark")])
+
+
+def test_the_pooled_verdict_is_printed_per_class_and_over_the_mix(tmp_path, capsys):
+    import json
+
+    from pool_adaptive import main
+
+    seconds = {"none": [[2.0, 2.0]], "ngram k=2": [[1.0, 1.0]], "ngram adaptive": [[1.0, 1.0]]}
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps(dict(config=dict(prompt_set="heldout", new_tokens=64, proposers=["ngram"], ks=[2],
+                                                repeats=2), cpu="cpu", classes=["code b1 greedy"],
+                                    seconds={"code b1 greedy": seconds})))
+    assert main([str(path), str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "2 runs pooled, 4 rounds" in out and "1.00 [1.00-1.00]" in out and "2.00 [2.00-2.00]" in out
+    assert "1.000x the best fixed (ngram k=2), 2.000x none" in out
