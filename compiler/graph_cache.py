@@ -14,6 +14,7 @@ cache off. Entries are written atomically (a temporary folder renamed into place
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -161,6 +162,10 @@ def load(key: str, model: torch.nn.Module) -> dict | None:
     for target, (kind, value) in entry["attrs"].items():
         tensor = params[value] if kind == "model" else value.to(device)
         _set_attr(root, target, tensor)
+    signature = entry["spec"]["signature"]
+    for name, spec in signature.items():  # a lifted tensor (not a host scalar) goes where the model is
+        if isinstance(spec.value, torch.Tensor) and spec.value.dim() > 0:
+            signature[name] = dataclasses.replace(spec, value=spec.value.to(device))
     return {"gm": _graph_module(root, entry["code"]), "spec": entry["spec"]}
 
 

@@ -244,7 +244,7 @@ def _diagnose(program, reference, stream, meta, cache, seq, start, n, row, kind,
     tagged = {node.meta["attention_site"]: node for node in program.gm.graph.nodes if "attention_site" in node.meta}
     rec = Recorder(program.gm, set(tagged.values()))
     with torch.no_grad():
-        rec.run(*program.graph_inputs(stream, meta, cache))  # rewrites the same K/V: idempotent
+        rec.run(*program.graph_inputs(stream, meta.to(stream.device), cache))  # rewrites the same K/V: idempotent
     _, want_sites = reference.run(seq[:start + n], record_sites=True)
     where = "after every attention site agreed (the difference arises later in the layer stack)"
     for layer in sorted(tagged):

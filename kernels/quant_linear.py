@@ -43,6 +43,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .paged_attention import check_same_device
 from .quant import dequantize_fp8, dequantize_int4, quantize_fp8, quantize_int4
 from .registry import register
 
@@ -138,6 +139,7 @@ def check_quant_linear_args(x: torch.Tensor, weight: torch.Tensor, scales: torch
         raise ValueError("quant_linear: bfloat16 weights take no scales")
     if bias is not None and bias.shape != (n,):
         raise ValueError(f"quant_linear: bias must be [{n}]; got {tuple(bias.shape)}")
+    check_same_device(x, weight, *(t for t in (scales, bias) if t is not None))
 
 
 def quant_linear_ref(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None,

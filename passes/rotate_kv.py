@@ -53,9 +53,11 @@ def rotate_kv(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     g = gm.graph
     rotations: dict[int, tuple[fx.Node, fx.Node]] = {}
 
-    def rotation(head_dim: int, dtype: torch.dtype) -> tuple[fx.Node, fx.Node]:
+    def rotation(like: torch.Tensor) -> tuple[fx.Node, fx.Node]:
+        """The rotation (and its transpose) for ``like``'s head size, in its dtype, on its device."""
+        head_dim = like.shape[-1]
         if head_dim not in rotations:
-            r = orthonormal_rotation(head_dim).to(dtype)
+            r = orthonormal_rotation(head_dim).to(like.device, like.dtype)
             gm.register_buffer(f"kv_rotation_{head_dim}", r)
             gm.register_buffer(f"kv_rotation_{head_dim}_t", r.t().contiguous())
             first = next(n for n in g.nodes if n.op != "placeholder")
@@ -69,14 +71,14 @@ def rotate_kv(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             continue
         if node.target == specgraph.cache_write.default:
             k, v = node.args[:2]
-            r, _ = rotation(k.meta["val"].shape[-1], k.meta["val"].dtype)
+            r, _ = rotation(k.meta["val"])
             with g.inserting_before(node):
                 node.update_arg(0, g.call_function(aten.matmul.default, (k, r)))
                 node.update_arg(1, g.call_function(aten.matmul.default, (v, r)))
             matched += 1
         elif node.target == specgraph.paged_attention.default:
             q = node.args[0]
-            r, rt = rotation(q.meta["val"].shape[-1], q.meta["val"].dtype)
+            r, rt = rotation(q.meta["val"])
             with g.inserting_before(node):
                 node.update_arg(0, g.call_function(aten.matmul.default, (q, r)))
             with g.inserting_after(node):

@@ -22,9 +22,10 @@ from typing import Callable
 
 import torch
 
+from ..compiler.graph_cache import measurement_path
 from ..compiler.program import AttentionMetadata, DecoderProgram
 from .controller import SpeculationController
-from .forward_cost import cost_sizes, measure_forward_cost
+from .forward_cost import ForwardCost, cost_sizes, measure_forward_cost
 from .kv_manager import KVCacheManager
 from .proposers.base import Draft, DraftRequest
 from .rejection import verify_greedy, verify_sampling
@@ -71,13 +72,27 @@ def measure_target_cost(program: DecoderProgram, kv: KVCacheManager, kv_cache, p
             shares = [n // b + (i < n % b) for i in range(b)]
             meta = AttentionMetadata.build([(t, context, q) for t, q in zip(tables, shares)], page_size,
                                            [list(range(q)) for q in shares])  # a verify wants every row
-            program(torch.zeros(n, dtype=torch.long), meta, kv_cache)
+            program(torch.zeros(n, dtype=torch.long), meta, kv_cache).cpu()  # as a step: waits for the device
 
         with torch.no_grad():
             return measure_forward_cost(forward, cost_sizes(max_stream, program.buckets))
     finally:
         for sid in seqs:
             kv.free(sid)
+
+
+def cached_target_cost(program: DecoderProgram, kv: KVCacheManager, kv_cache, page_size: int, max_stream: int,
+                       sequence_ids: list[int]) -> ForwardCost | None:
+    """:func:`measure_target_cost`, measured once per machine: kept beside the program's graph-cache
+    entry (whose key names this CPU), by stream size limit, lowering and buckets."""
+    shape = "-".join(map(str, program.buckets or ()))
+    path = measurement_path(program.cache_key, f"forward-cost-decode-{max_stream}-{program.lowering}-{shape}")
+    cost = ForwardCost.load(path) if path is not None else None
+    if cost is None:
+        cost = measure_target_cost(program, kv, kv_cache, page_size, max_stream, sequence_ids)
+        if cost is not None and path is not None:
+            cost.save(path)
+    return cost
 
 
 def verify_draft(draft: Draft, logits: torch.Tensor, params: SamplingParams, noise: PositionNoise | None,

@@ -7,17 +7,14 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
 
 from ..compiler.options import MAX_TREE_NODES, BackendOptions
 from ..compiler.program import AttentionMetadata, DecoderProgram, compile_decoder
-from ..compiler.graph_cache import measurement_path
 from .controller import SpeculationController
-from .forward_cost import ForwardCost
-from .drafting import Speculation, is_decode, measure_target_cost, verify_draft
+from .drafting import Speculation, cached_target_cost, is_decode, verify_draft
 from .engine_stats import EngineStats
 from ..kernels.hot_cold import demote_blocks, hot_tensors
 from .kv_manager import KVCacheManager
@@ -26,46 +23,8 @@ from .proposers.base import Draft
 from .sampling import PositionNoise, SamplingParams, sample, token_logprobs
 from .scheduler import Request, Scheduler
 from .token_tree import keep_path, parse_tree
-
-
-@dataclass
-class GenerationResult:
-    """One prompt's output: new tokens only (EOS included when it ended the sequence)."""
-
-    token_ids: list[int]
-    text: str | None
-    finish_reason: str  # "stop" (EOS or a stop string) or "length"
-    prompt_tokens: int
-    cached_tokens: int
-
-
-def _eos_ids(model: torch.nn.Module, tokenizer) -> set[int]:
-    ids = set()
-    for src in (getattr(tokenizer, "eos_token_id", None), getattr(getattr(model, "generation_config", None),
-                                                                  "eos_token_id", None)):
-        if isinstance(src, int):
-            ids.add(src)
-        elif isinstance(src, (list, tuple)):
-            ids.update(int(i) for i in src)
-    return ids
-
-
-def _calibration_ids(calibration, weight_dtype: str, tokenizer) -> tuple[int, ...]:
-    """``Engine(weight_calibration=...)`` -> the token ids for ``BackendOptions`` (() when the weight
-    dtype has nothing to calibrate)."""
-    from ..compiler.calibration import builtin_calibration_ids, calibrates
-
-    if calibration is None or not calibrates(weight_dtype):
-        return ()
-    if isinstance(calibration, str):
-        if tokenizer is None:
-            if calibration == "builtin":
-                return ()  # nothing to tokenize the built-in text with: nearest rounding
-            raise ValueError("weight_calibration given as text needs a tokenizer; pass token ids instead")
-        if calibration == "builtin":
-            return builtin_calibration_ids(tokenizer)
-        return tuple(tokenizer(calibration, add_special_tokens=False)["input_ids"])
-    return tuple(calibration)
+from .prompts import GenerationResult, calibration_ids, encode_prompts, eos_ids
+from .scoring import score
 
 
 class Engine:
@@ -131,7 +90,7 @@ class Engine:
                  lowering: str | None = None, progress: Callable[[str], None] | None = None,
                  compile_in_background: bool = False, cuda_graphs: bool = True):
         self.model, self.tokenizer = model, tokenizer
-        calibration = _calibration_ids(weight_calibration, weight_dtype, tokenizer)
+        calibration = calibration_ids(weight_calibration, weight_dtype, tokenizer)
         from .proposers import kind_of
 
         kind = kind_of(draft)
@@ -170,7 +129,7 @@ class Engine:
                                  demote="pressure" if kv_dtype == "adaptive" else "window")
         self.scheduler = Scheduler(self.kv, max_num_seqs=max_num_seqs, max_tokens_per_step=max_tokens_per_step,
                                    on_preempt=self._release_draft_state)
-        self.eos_ids = _eos_ids(model, tokenizer)
+        self.eos_ids = eos_ids(model, tokenizer)
         self.page_size = page_size
         self._next_id = 0
         if num_draft_tokens < 1:
@@ -181,7 +140,7 @@ class Engine:
 
             draft_calibration = None  # the target's
             if draft_weight_dtype is not None:
-                draft_calibration = _calibration_ids(weight_calibration, draft_weight_dtype, tokenizer)
+                draft_calibration = calibration_ids(weight_calibration, draft_weight_dtype, tokenizer)
             proposer = make_proposer(draft, DraftContext(
                 model, self.program, self.kv, self.kv_cache, page_size, self.table_width + 1, self.table_width, device,
                 draft_weight_dtype, draft_calibration))
@@ -219,7 +178,7 @@ class Engine:
         past EOS (benchmarks). ``num_draft_tokens`` caps these requests' drafts per step, as in
         :meth:`submit`. Requests submitted earlier with :meth:`submit` progress as well.
         """
-        prompt_ids = self._encode_prompts(prompts)
+        prompt_ids = encode_prompts(prompts, self.tokenizer, self.program.vocab_size)
         groups = [self._new_requests(ids, max_new_tokens, temperature, top_p, top_k, seed * 1_000_003 + i * n,
                                      stop, n, ignore_eos, num_draft_tokens) for i, ids in enumerate(prompt_ids)]
         requests = [r for g in groups for r in g]
@@ -248,7 +207,7 @@ class Engine:
         ``num_draft_tokens`` caps this request's drafts per step below the engine's (0: no speculation).
         A request that can never fit the KV pool is refused here (``ValueError`` with the numbers).
         """
-        (ids,) = self._encode_prompts([prompt])
+        (ids,) = encode_prompts([prompt], self.tokenizer, self.program.vocab_size)
         if logprobs is not None and logprobs < 0:
             raise ValueError(f"logprobs must be >= 0; got {logprobs}")
         requests = self._new_requests(ids, max_new_tokens, temperature, top_p, top_k, seed, stop, n, ignore_eos,
@@ -283,44 +242,10 @@ class Engine:
                     text = text[:text.index(s)]
         return GenerationResult(list(ids), text, r.finish_reason or "length", len(r.prompt_ids), r.cached_tokens)
 
-    @torch.no_grad()
     def score(self, token_ids: Sequence[int], chunk_size: int | None = None, return_top1: bool = False):
-        """``log p(token_ids[t] | token_ids[:t])`` for t = 1..len-1, computed through the cache.
-
-        The sequence runs as prefill chunks of ``chunk_size`` tokens (all at once when None),
-        each attending to the cached K/V of the chunks before it. Returns float32 ``[len - 1]``;
-        with ``return_top1`` also the most likely next token at each position (int64 ``[len - 1]``).
-        """
-        ids = list(map(int, token_ids))
-        if len(ids) < 2:
-            raise ValueError("score needs at least 2 tokens")
-        chunk = chunk_size or len(ids)
-        if chunk < 1:
-            raise ValueError(f"chunk_size must be >= 1; got {chunk_size}")
-        sid = self._new_id()
-        need = -(-len(ids) // self.page_size)
-        if need > self.table_width:
-            raise ValueError(f"KV pool exhausted: scoring {len(ids)} tokens needs {need} blocks, the pool has "
-                             f"{self.table_width}")
-        self.kv.add_sequence(sid, [])  # scoring needs every position's logits: no prefix reuse
-        out, top1 = [], []
-        try:
-            for start in range(0, len(ids) - 1, chunk):
-                n = min(chunk, len(ids) - 1 - start)
-                copies = self.kv.allocate(sid, n)
-                if copies is None:
-                    raise RuntimeError("KV pool exhausted while scoring (other requests hold the blocks)")
-                self._copy_blocks(copies)
-                meta = AttentionMetadata.build([(self.kv.block_table(sid), start, n)], self.page_size, [list(range(n))])
-                logits = self.program(torch.tensor(ids[start:start + n]), meta, self.kv_cache).cpu()
-                self.kv.mark_written(sid, start + n)  # pages leaving the hot window go cold
-                logp = torch.log_softmax(logits.float(), dim=-1)
-                out.append(logp.gather(1, torch.tensor(ids[start + 1:start + 1 + n]).view(-1, 1)).view(-1))
-                top1.append(logp.argmax(dim=-1))
-        finally:
-            self._apply_demotions()  # (before its blocks are free to be handed out again)
-            self.kv.free(sid)
-        return (torch.cat(out), torch.cat(top1)) if return_top1 else torch.cat(out)
+        """``log p(token_ids[t] | token_ids[:t])`` for t = 1..len-1, computed through the cache in prefill
+        chunks of ``chunk_size`` tokens (see :func:`~specgraph.runtime.scoring.score`)."""
+        return score(self, token_ids, chunk_size, return_top1)
 
     @property
     def stats(self) -> dict[str, Any]:
@@ -357,25 +282,6 @@ class Engine:
             self.scheduler.check_fits(r)
             requests.append(r)
         return requests
-
-    def _encode_prompts(self, prompts) -> list[list[int]]:
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        out = []
-        for p in prompts:
-            if isinstance(p, str):
-                if self.tokenizer is None:
-                    raise ValueError("string prompts need a tokenizer: Engine(model, tokenizer=...)")
-                ids = self.tokenizer(p, add_special_tokens=False)["input_ids"]
-            else:
-                ids = [int(t) for t in p]
-            if not ids:
-                raise ValueError("empty prompt")
-            vocab = self.program.vocab_size
-            if min(ids) < 0 or max(ids) >= vocab:
-                raise ValueError(f"prompt token ids must be in [0, {vocab}); got min {min(ids)} max {max(ids)}")
-            out.append(ids)
-        return out
 
     # ------------------------------------------------------------ speculation
     @property
@@ -433,17 +339,8 @@ class Engine:
         capacity = (self.num_blocks - 1) * self.page_size
         max_stream = min(self.scheduler.max_num_seqs * (self.num_draft_tokens + 1),
                          self.scheduler.max_tokens_per_step, capacity)
-        # measured once per machine: kept beside the program's graph-cache entry, keyed by this CPU
-        shape = "-".join(map(str, self.program.buckets or ()))
-        name = f"forward-cost-decode-{max_stream}-{self.program.lowering}-{shape}"
-        path = measurement_path(self.program.cache_key, name)
-        cost = ForwardCost.load(path) if path is not None else None
-        if cost is None:
-            cost = measure_target_cost(self.program, self.kv, self.kv_cache, self.page_size, max_stream,
-                                       [self._new_id() for _ in range(self.scheduler.max_num_seqs)])
-            if cost is not None and path is not None:
-                cost.save(path)
-        return cost
+        return cached_target_cost(self.program, self.kv, self.kv_cache, self.page_size, max_stream,
+                                  [self._new_id() for _ in range(self.scheduler.max_num_seqs)])
 
     def _release_draft_state(self, request: Request) -> None:
         if self.speculation is not None:

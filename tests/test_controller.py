@@ -448,12 +448,12 @@ def test_adaptive_trees_follow_the_cost_and_keep_greedy_output():
 def test_the_forward_cost_table_is_measured_once_per_machine(tmp_path, monkeypatch):
     """With the graph cache on, the controller's cost table is kept beside the program's entry: a second
     Engine of the same program on this machine loads it instead of measuring."""
-    import specgraph.runtime.engine as engine_module
+    import specgraph.runtime.drafting as drafting
 
     monkeypatch.setenv("SPECGRAPH_GRAPH_CACHE", str(tmp_path))
     measured = []
-    real = engine_module.measure_target_cost
-    monkeypatch.setattr(engine_module, "measure_target_cost", lambda *a: measured.append(a) or real(*a))
+    real = drafting.measure_target_cost
+    monkeypatch.setattr(drafting, "measure_target_cost", lambda *a: measured.append(a) or real(*a))
     model = make_family("llama")
     first = specgraph.Engine(model, lowering="eager", num_blocks=64, page_size=8, draft="ngram")
     second = specgraph.Engine(model, lowering="eager", num_blocks=64, page_size=8, draft="ngram")

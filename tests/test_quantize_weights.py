@@ -135,6 +135,8 @@ def test_malformed_arguments_are_clear_errors():
         torch.ops.specgraph.quant_linear(torch.randn(1, 32), data, scales, None, "int4")
     with pytest.raises(ValueError, match="unknown scheme"):
         torch.ops.specgraph.quant_linear(torch.randn(1, 64), data, scales, None, "int3")
+    with pytest.raises(ValueError, match="one device"):  # (a weight left behind when the model moved)
+        quant_linear_ref(torch.randn(1, 64, device="meta"), data, scales, None, "int4")
     with pytest.raises(ValueError, match="weight_dtype='int3' is not supported; valid: auto, float32"):
         specgraph.BackendOptions(weight_dtype="int3")
 

@@ -63,7 +63,7 @@ def draw(head: DraftHead, r: DraftRequest, logits: torch.Tensor, qs: list[torch.
     over the full vocabulary (zero outside the draft vocabulary), appended to ``qs`` for rejection sampling."""
     ids = head.draft_ids
     if r.params is None or r.params.greedy:
-        return int(ids[int(torch.argmax(logits))])
+        return int(ids[torch.argmax(logits)])  # indexed where the logits are: one wait for the device
     full = logits.new_full((head.cfg.vocab_size,), float("-inf"))
     full[ids] = logits
     q = probabilities(full, r.params).cpu()  # (verification and the request's generator live on the host)

@@ -55,9 +55,7 @@ class ModelProposer:
                 ids += toks
                 seqs.append((self.kv.block_table(r.request_id), start[r.request_id], len(toks)))
                 want.append([len(toks) - 1])
-            meta = AttentionMetadata.build(seqs, self.page_size, want)
-            with torch.no_grad():
-                logits = self.program(torch.tensor(ids, dtype=torch.long), meta, self.kv_cache)
+            logits = self._forward(ids, seqs, want)
             for row, r in enumerate(live):
                 rid = r.request_id
                 self._fed[rid] = start[rid] + len(feed[rid])
@@ -113,9 +111,11 @@ class ModelProposer:
         return out
 
     def _forward(self, ids: list[int], seqs, want, trees=None) -> torch.Tensor:
+        """The drafter's logits for the ``want`` rows, on the host (tokens are chosen there, with the
+        requests' host generators, and a sampled draft's probabilities meet the target's there)."""
         meta = AttentionMetadata.build(seqs, self.page_size, want, trees, tree_words=self.program.tree_words)
         with torch.no_grad():
-            return self.program(torch.tensor(ids, dtype=torch.long), meta, self.kv_cache)
+            return self.program(torch.tensor(ids, dtype=torch.long), meta, self.kv_cache).float().cpu()
 
     def _unfed(self, r: DraftRequest) -> list[int]:
         """The committed tokens the drafter has no K/V for, the last one always included (it is fed to
