@@ -17,6 +17,7 @@ import json
 import math
 import os
 import sys
+from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -51,7 +52,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("reports", nargs="+", help="bench_adaptive.py --json files of the same workload")
     args = parser.parse_args(argv)
-    reports = [json.load(open(path)) for path in args.reports]
+    reports = [json.loads(Path(path).read_text()) for path in args.reports]
     pooled = pooled_seconds(reports)
     rounds = sum(r["config"]["repeats"] for r in reports)
     rows, mix = [], {}

@@ -19,7 +19,6 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
-from torch._subclasses.fake_tensor import FakeTensor
 
 _ATTR_PART = re.compile(r"\._(?:modules|parameters|buffers)\['([^']+)'\]")
 _LOCAL = re.compile(r"^L\['(?:kwargs'\]\[')?([A-Za-z_][A-Za-z0-9_]*)'\]")
@@ -91,12 +90,7 @@ def _fake_inputs(dynamo_gm: fx.GraphModule, example_inputs: list) -> tuple[Any, 
     fakes = []
     for node, value in zip(placeholders, example_inputs):
         if isinstance(value, torch.Tensor):
-            # a dynamic input from Dynamo's own symbolic fake (its mode shares our shape env, so the
-            # symbols carry over): fakeifying the real input is memoized to the same symbols on some
-            # torch versions only. Others from the real value, which keeps a lifted scalar's value.
-            known = node.meta.get("example_value")
-            dynamic = isinstance(known, FakeTensor) and any(isinstance(d, torch.SymInt) for d in known.shape)
-            fakes.append(fake_mode.from_tensor(known if dynamic else value))
+            fakes.append(fake_mode.from_tensor(value))  # memoized: Dynamo's symbolic fake
         else:
             fakes.append(node.meta.get("example_value", value))
     return fake_mode, fakes
