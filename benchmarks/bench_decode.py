@@ -39,7 +39,6 @@ batch would otherwise hit blocks cached by earlier calls); section 4 measures th
 from __future__ import annotations
 
 import argparse
-import inspect
 import os
 import platform
 import sys
@@ -50,10 +49,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # prompts.py, co
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
-from common import (ModeResult, Run, RssSampler, cache_kwarg, chat_prompt_ids, cpu_description,  # noqa: E402
-                    first_mismatch, fmt, format_table, load_average, log, measure_read_bandwidth, median,
-                    print_report, quiet_torch, weight_bytes_per_token)
-from prompts import PREFIX_QUESTIONS, PROMPTS, SHARED_DOCUMENT, WARMUP_PROMPT  # noqa: E402
+from common import (ModeResult, RssSampler, chat_prompt_ids, cpu_description, fmt, format_table,  # noqa: E402
+                    load_average, log, measure_read_bandwidth, print_report, quiet_torch, weight_bytes_per_token)
+from decode_runs import compare_tokens, dynamo_graphs, hf_generate, nocache_generate, sg_generate  # noqa: E402
+from decode_sections import run_context, run_prefix  # noqa: E402
+from prompts import PROMPTS, WARMUP_PROMPT  # noqa: E402
 
 ALL_MODES = ("hf-eager", "hf-static-compile", "no-cache", "specgraph", "specgraph-eager", "llama-cpp-f32")
 SPECGRAPH_MODES = {"specgraph": "inductor", "specgraph-eager": "eager"}  # mode -> Engine lowering
@@ -112,117 +112,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return a
 
 
-# ========================================================================= HF runners
-try:
-    from transformers.generation.streamers import BaseStreamer as _StreamerBase
-except ImportError:  # pragma: no cover - very old transformers
-    _StreamerBase = object
-
-
-class _TimingStreamer(_StreamerBase):
-    """HF streamer that only timestamps ``put`` calls (the 1st put is the prompt, the 2nd the first new token)."""
-
-    def __init__(self):
-        self.times: list[float] = []
-
-    def put(self, value):
-        self.times.append(time.perf_counter())
-
-    def end(self):
-        pass
-
-
-def _left_pad(batch: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(ids) for ids in batch)
-    ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(batch), width), dtype=torch.long)
-    for i, seq in enumerate(batch):
-        ids[i, width - len(seq):] = torch.tensor(seq, dtype=torch.long)
-        mask[i, width - len(seq):] = 1
-    return ids, mask
-
-
-def hf_generate(model, batch: list[list[int]], new_tokens: int, pad_id: int) -> Run:
-    """Greedy ``model.generate`` producing exactly ``new_tokens`` per row (EOS not a stop token)."""
-    streamer = _TimingStreamer()
-    ids, mask = _left_pad(batch, pad_id)
-    t0 = time.perf_counter()
-    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
-                         use_cache=True, eos_token_id=None, pad_token_id=pad_id, streamer=streamer)
-    elapsed = time.perf_counter() - t0
-    new = out[:, ids.shape[1]:].tolist()
-    first = streamer.times[1] - t0 if len(streamer.times) > 1 else elapsed
-    return Run(elapsed, [first] * len(batch), new)
-
-
-@torch.no_grad()
-def nocache_generate(model, prompt: list[int], new_tokens: int) -> Run:
-    """The cache-free decoder as given: full forward over the whole sequence for every token."""
-    ids = torch.tensor([prompt], dtype=torch.long)
-    out, first = [], None
-    t0 = time.perf_counter()
-    for _ in range(new_tokens):
-        logits = model(input_ids=ids, use_cache=False).logits[0, -1]
-        tok = int(logits.argmax())
-        out.append(tok)
-        first = first if first is not None else time.perf_counter() - t0
-        ids = torch.cat([ids, torch.tensor([[tok]])], dim=1)
-    return Run(time.perf_counter() - t0, [first], [out])
-
-
-def _dynamo_graphs() -> int:
-    """Graphs Dynamo has compiled so far in this process (to catch recompiles inside timed runs)."""
-    try:
-        from torch._dynamo.utils import counters
-
-        return int(counters["stats"]["unique_graphs"])
-    except Exception:  # noqa: BLE001 - a missing counter only loses a diagnostic
-        return 0
-
-
-# ================================================================== specgraph runners
-def flush_prefix_cache(engine) -> int:
-    """Drop every free cached block from the Engine's prefix cache (so the next prefill is cold)."""
-    pool = engine.kv.block_pool
-    dropped = 0
-    for block in range(1, pool.num_blocks):
-        if pool.ref_count(block) == 0 and pool.block_key(block) is not None:
-            pool.uncache_block(block)
-            dropped += 1
-    return dropped
-
-
-def sg_generate(engine, batch: list[list[int]], new_tokens: int, cold: bool = True) -> Run:
-    if cold:
-        flush_prefix_cache(engine)
-    engine.reset_stats()
-    first: list[float | None] = [None] * len(batch)
-
-    def on_token(i, _tok):
-        if first[i] is None:
-            first[i] = time.perf_counter()
-
-    t0 = time.perf_counter()
-    results = engine.generate(batch, max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True, on_token=on_token)
-    elapsed = time.perf_counter() - t0
-    run = Run(elapsed, [(f - t0) if f is not None else elapsed for f in first], [r.token_ids for r in results])
-    run.cached_tokens = [r.cached_tokens for r in results]
-    run.host_fraction = engine.stats["host_overhead_fraction"]
-    return run
-
-
-# ====================================================================== token checks
-def compare_tokens(label: str, got: dict[int, list[int]], ref: dict[int, list[int]]) -> dict:
-    per = {}
-    for i in sorted(got):
-        if i in ref:
-            per[i] = first_mismatch(got[i], ref[i])
-    same = sum(1 for v in per.values() if v is None)
-    detail = ", ".join(f"p{i}@{v}" for i, v in per.items() if v is not None)
-    return dict(label=label, identical=same, total=len(per), first_mismatch=per,
-                line=f"{label}: {same}/{len(per)} identical" + (f" (first differing token: {detail})" if detail else ""))
-
-
 # ========================================================================= sections
 def run_throughput(args, model, tok, engines, hf_compiled, llama, prompt_ids, warm_ids, mem) -> dict:
     n, modes = args.new_tokens, args.modes
@@ -249,7 +138,7 @@ def run_throughput(args, model, tok, engines, hf_compiled, llama, prompt_ids, wa
         log(f"warm-up {m} batch {args.batch}")
         runners[m]([warm_ids] * args.batch, 2)
 
-    graphs_before = _dynamo_graphs()
+    graphs_before = dynamo_graphs()
     # batch 1: each prompt alone, the modes interleaved per prompt with a rotating order
     k = 0
     for rep in range(args.repeats):
@@ -292,7 +181,7 @@ def run_throughput(args, model, tok, engines, hf_compiled, llama, prompt_ids, wa
 
     for (m, b), r in results.items():
         r.peak_rss_mib = mem.mib(f"{m}/{b}")
-    graphs_compiled = _dynamo_graphs() - graphs_before  # only torch.compile'd HF can add any
+    graphs_compiled = dynamo_graphs() - graphs_before  # only torch.compile'd HF can add any
 
     checks = []
     ref = tokens.get(("hf-eager", 1))
@@ -318,113 +207,6 @@ def run_throughput(args, model, tok, engines, hf_compiled, llama, prompt_ids, wa
 
 
 @torch.no_grad()
-def run_context(args, model, engine, vocab: int) -> dict:
-    """ms per decode step at two context lengths; the (mode, context) streams step round-robin."""
-    from specgraph.compiler.program import AttentionMetadata
-
-    gen = torch.Generator().manual_seed(1234)
-    streams = []
-    kw = cache_kwarg(model)
-    fwd_params = inspect.signature(model.forward).parameters
-    for L in args.contexts:
-        ctx = torch.randint(100, vocab - 100, (L,), generator=gen)
-        if "specgraph" in args.modes:
-            sid = 10**9 + L
-            engine.kv.add_sequence(sid, [])
-            if engine.kv.allocate(sid, L) is None:
-                raise RuntimeError(f"KV pool too small for a {L}-token context")
-            meta = AttentionMetadata.build([(engine.kv.block_table(sid), 0, L)], engine.page_size, [[L - 1]])
-            t0 = time.perf_counter()
-            logits = engine.program(ctx, meta, engine.kv_cache)
-            streams.append(dict(mode="specgraph", ctx=L, sid=sid, pos=L, tok=int(logits[-1].argmax()),
-                                prefill_s=time.perf_counter() - t0, times=[], tokens=[]))
-        if "hf-eager" in args.modes:
-            from transformers import DynamicCache
-
-            cache = DynamicCache(config=model.config)
-            extra = {"logits_to_keep": 1} if "logits_to_keep" in fwd_params else {}
-            t0 = time.perf_counter()
-            out = model(input_ids=ctx.view(1, L), use_cache=True, **{kw: cache}, **extra)
-            streams.append(dict(mode="hf-eager", ctx=L, cache=cache, tok=int(out.logits[0, -1].argmax()),
-                                prefill_s=time.perf_counter() - t0, times=[], tokens=[]))
-        log(f"context {L}: prefilled " + ", ".join(f"{s['mode']} {s['prefill_s']:.1f} s" for s in streams
-                                                   if s["ctx"] == L))
-
-    def step(s):
-        t0 = time.perf_counter()
-        if s["mode"] == "specgraph":
-            copies = engine.kv.allocate(s["sid"], 1)
-            if copies:
-                raise RuntimeError("unexpected copy-on-write in the context test")
-            meta = AttentionMetadata.build([(engine.kv.block_table(s["sid"]), s["pos"], 1)], engine.page_size, [[0]])
-            logits = engine.program(torch.tensor([s["tok"]], dtype=torch.long), meta, engine.kv_cache)
-            nxt = int(logits[0].argmax())
-            s["pos"] += 1
-        else:
-            out = model(input_ids=torch.tensor([[s["tok"]]], dtype=torch.long), use_cache=True, **{kw: s["cache"]})
-            nxt = int(out.logits[0, -1].argmax())
-        dt = time.perf_counter() - t0
-        s["tokens"].append(nxt)
-        s["tok"] = nxt
-        return dt
-
-    warm = 2
-    try:
-        for i in range(warm + args.context_steps):
-            order = streams[i % len(streams):] + streams[:i % len(streams)]
-            for s in order:
-                dt = step(s)
-                if i >= warm:
-                    s["times"].append(dt)
-    finally:
-        for s in streams:
-            if s["mode"] == "specgraph":
-                engine.kv.free(s["sid"])
-    out = {}
-    for s in streams:
-        out.setdefault(s["mode"], {})[s["ctx"]] = dict(ms_per_token=median(s["times"]) * 1e3,
-                                                      prefill_s=s["prefill_s"], tokens=s["tokens"])
-    log("context test done")
-    return out
-
-
-def _prefix_ids(tok, n_prefix: int, salt: int) -> list[int]:
-    enc = lambda s: tok(s, add_special_tokens=False)["input_ids"]  # noqa: E731
-    head = enc("<|im_start|>system\n")
-    tail = enc("<|im_end|>\n<|im_start|>user\n")
-    doc = enc(f"Copy {salt + 1} of the handbook.\n" + SHARED_DOCUMENT)
-    k = n_prefix - len(head) - len(tail)
-    if k < 1 or k > len(doc):
-        raise ValueError(f"--prefix-tokens {n_prefix} not in [{len(head) + len(tail) + 1}, "
-                         f"{len(head) + len(tail) + len(doc)}] for the stored document")
-    return head + doc[:k] + tail
-
-
-def run_prefix(args, tok, engine) -> dict:
-    enc = lambda s: tok(s, add_special_tokens=False)["input_ids"]  # noqa: E731
-    questions = [enc(q + "<|im_end|>\n<|im_start|>assistant\n") for q in PREFIX_QUESTIONS]
-    pc = engine.kv.prefix_cache
-    q0, h0 = (pc.queried_tokens, pc.hit_tokens) if pc is not None else (0, 0)
-    cold, warm, cached, prompt_len = [], [], [], 0
-    flush_prefix_cache(engine)
-    for t in range(args.prefix_trials):
-        prefix = _prefix_ids(tok, args.prefix_tokens, salt=t)  # fresh prefix per trial: the first request is cold
-        qa, qb = questions[(2 * t) % len(questions)], questions[(2 * t + 1) % len(questions)]
-        r_cold = sg_generate(engine, [prefix + qa], 1, cold=False)
-        r_warm = sg_generate(engine, [prefix + qb], 1, cold=False)
-        cold.append(r_cold.first_token_s[0])
-        warm.append(r_warm.first_token_s[0])
-        cached.append((r_cold.cached_tokens[0], r_warm.cached_tokens[0]))
-        prompt_len = len(prefix + qb)
-        log(f"prefix trial {t}: cold {cold[-1] * 1e3:.0f} ms, warm {warm[-1] * 1e3:.0f} ms, cached {cached[-1]}")
-    q1, h1 = (pc.queried_tokens, pc.hit_tokens) if pc is not None else (0, 0)
-    return dict(cold_ttft_ms=median(cold) * 1e3, warm_ttft_ms=median(warm) * 1e3,
-                speedup=median(cold) / median(warm), cached_tokens_cold_warm=cached, warm_prompt_tokens=prompt_len,
-                test_hit_rate=(h1 - h0) / (q1 - q0) if q1 > q0 else 0.0,
-                engine_prefix_cache_hit_rate=engine.stats["prefix_cache_hit_rate"],
-                cold_ttft_ms_all=[c * 1e3 for c in cold], warm_ttft_ms_all=[w * 1e3 for w in warm])
-
-
 # ============================================================================== main
 def main(argv=None) -> int:
     args = parse_args(argv)

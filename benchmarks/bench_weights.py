@@ -31,7 +31,7 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from bench_decode import sg_generate  # noqa: E402
+from decode_runs import sg_generate  # noqa: E402
 from common import ModeResult, chat_prompt_ids, cpu_description, fmt, format_table, log, median, quiet_torch  # noqa: E402
 from prompts import PROMPTS, WARMUP_PROMPT  # noqa: E402
 
