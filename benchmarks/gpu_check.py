@@ -1,6 +1,7 @@
 """One command for a CUDA machine (about 5-8 minutes): GPU tests, kernels, the engine end to end, bandwidth.
 
     python benchmarks/gpu_check.py [--skip-smollm2] [--model NAME_OR_GGUF] [--peak-gbps 4800]
+                                   [--sections tests,kernels,engine,bandwidth]
 
 Prepared on a machine without a GPU (specgraph's CI cannot run it); run it as is on any CUDA
 machine. Prints a report, and exits non-zero if a correctness check fails.
@@ -14,7 +15,8 @@ machine. Prints a report, and exits non-zero if a correctness check fails.
    graph, specgraph's Triton kernels as extern calls, static bucket graphs): a tiny random Llama and
    SmolLM2-135M, greedy tokens against Hugging Face on the same GPU; decode tok/s at batch 1 and 8
    for specgraph with and without CUDA graphs and HF eager; ``engine.stats["recompiles"]`` after
-   warm-up (expect 0).
+   warm-up (expect 0); speculation (ngram, fixed k) and an fp8 hot/cold cache on the GPU: greedy
+   tokens identical to plain decoding.
 3. **Paged attention's achieved bandwidth**: a decode step of 64 sequences x 4096 keys (SmolLM2's
    heads), bytes of K/V read per second against ``--peak-gbps`` (H100 SXM ~3350, H200 ~4800,
    A100 80GB ~2039).
@@ -123,6 +125,19 @@ def _hf_greedy(model, prompt, n, device):
     return out[0, len(prompt):].tolist()
 
 
+def divergence(model, prompt, got, want, device) -> str:
+    """Where specgraph's greedy tokens part from HF's, and HF's own logit margin there (teacher-forced).
+
+    A margin near float32 rounding (a near-tie) means the two are both right; a large one is a bug."""
+    i = next(j for j, (a, b) in enumerate(zip(got, want)) if a != b)
+    ids = torch.tensor([prompt + want[:i]], device=device)
+    with torch.no_grad():
+        logits = model(ids).logits[0, -1].float()
+    gap = (logits[want[i]] - logits[got[i]]).item()
+    return (f"parts from HF at token {i}: HF {want[i]}, specgraph {got[i]}; HF's logit margin between them "
+            f"{gap:.2e} (logit scale {logits.abs().max().item():.1f})")
+
+
 def _rate(fn, sequences, new_tokens) -> float:
     torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -132,6 +147,16 @@ def _rate(fn, sequences, new_tokens) -> float:
 
 
 def engine_checks(device, smollm2: bool, model_name: str) -> None:
+    try:
+        tiny_llama_check(device)
+    except Exception:  # the real model's checks still run
+        traceback.print_exc()
+        check("tiny Llama ran", False)
+    if smollm2:
+        smollm2_checks(device, model_name)
+
+
+def tiny_llama_check(device) -> None:
     import specgraph
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -148,45 +173,77 @@ def engine_checks(device, smollm2: bool, model_name: str) -> None:
     want = [_hf_greedy(tiny, p, 8, device) for p in prompts]
     check("tiny Llama greedy == HF on the GPU", got == want, f"{got} vs {want}")
     check("tiny Llama: no recompiles after build", engine.stats["recompiles"] == 0, str(engine.stats["recompiles"]))
-    if not smollm2:
-        return
+
+
+def smollm2_checks(device, model_name: str) -> None:
+    import specgraph
+
     model, tok = specgraph.load_model(model_name)
     model = model.to(device).eval()
-    engines = {}
-    for graphs in (True, False):
-        t0 = time.perf_counter()
-        engines[graphs] = specgraph.Engine(model, tokenizer=tok, lowering="inductor", cuda_graphs=graphs)
-        print(f"  SmolLM2 (CUDA graphs {'on' if graphs else 'off'}): built in {time.perf_counter() - t0:.1f} s; "
-              f"{engines[graphs].program.step_plan}", flush=True)
-    engine = engines[True]
     texts = ["def fib(n):", "The capital of France is", "Write a haiku about the sea.", "import numpy as np\n"]
     prompts = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
-    got = [r.token_ids for r in engine.generate(prompts, max_new_tokens=32, ignore_eos=True)]
     want = [_hf_greedy(model, p, 32, device) for p in prompts]
-    same = sum(g == w for g, w in zip(got, want))
-    check("SmolLM2 greedy == HF eager on the GPU", same == len(prompts), f"{same}/{len(prompts)} identical")
-    launched = [r.token_ids for r in engines[False].generate(prompts, max_new_tokens=32, ignore_eos=True)]
-    check("SmolLM2 greedy: CUDA graphs == kernels launched one by one", launched == got)
-    n = 64
-    for e in engines.values():
-        e.reset_stats()
+    engines, got, n = {}, {}, 64
+    for graphs in (True, False):  # with CUDA graphs first: the figure that matters if time runs out
+        t0 = time.perf_counter()
+        engine = engines[graphs] = specgraph.Engine(model, tokenizer=tok, lowering="inductor", cuda_graphs=graphs)
+        label = f"CUDA graphs {'on' if graphs else 'off'}"
+        print(f"  SmolLM2 ({label}): built in {time.perf_counter() - t0:.1f} s; {engine.program.step_plan}", flush=True)
+        got[graphs] = [r.token_ids for r in engine.generate(prompts, max_new_tokens=32, ignore_eos=True)]
+        same = sum(g == w for g, w in zip(got[graphs], want))
+        check(f"SmolLM2 greedy == HF eager on the GPU ({label})", same == len(prompts), f"{same}/{len(prompts)} identical")
+        for p, g, w in zip(prompts, got[graphs], want):
+            if g != w:
+                print(f"    {divergence(model, p, g, w, device)}", flush=True)
+        if graphs:  # the build recorded one graph per bucket (reset_stats below starts the count again)
+            check("SmolLM2: one CUDA graph per bucket", engine.stats["cuda_graph_captures"] == len(engine.program.buckets),
+                  f"{engine.stats['cuda_graph_captures']} captures, buckets {engine.program.buckets}")
+        engine.reset_stats()
+        for batch in (1, 8):
+            batch_prompts = (prompts * 8)[:batch]
+            rate = _rate(lambda: engine.generate(batch_prompts, max_new_tokens=n, ignore_eos=True), batch, n)
+            print(f"  batch {batch} ({label}): specgraph {rate:.1f} tok/s; host overhead "
+                  f"{100 * engine.stats['host_overhead_fraction']:.1f}%", flush=True)
+        check(f"SmolLM2 ({label}): no recompiles in steady state", engine.stats["recompiles"] == 0,
+              str(engine.stats["recompiles"]))
+    check("SmolLM2 greedy: CUDA graphs == kernels launched one by one", got[True] == got[False])
+    check("SmolLM2: the timed runs replayed the graphs (no new captures)", engines[True].stats["cuda_graph_captures"] == 0,
+          f"{engines[True].stats['cuda_graph_captures']} captures")
     for batch in (1, 8):
-        batch_prompts = (prompts * 8)[:batch]
-        sg = _rate(lambda: engine.generate(batch_prompts, max_new_tokens=n, ignore_eos=True), batch, n)
-        launched = _rate(lambda: engines[False].generate(batch_prompts, max_new_tokens=n, ignore_eos=True), batch, n)
         hf = 0.0
-        for p in batch_prompts:  # HF eager, one sequence at a time (no padding effects)
+        for p in (prompts * 8)[:batch]:  # HF eager, one sequence at a time (no padding effects)
             hf_t0 = time.perf_counter()
             _hf_greedy(model, p, n, device)
             torch.cuda.synchronize()
             hf += time.perf_counter() - hf_t0
-        hf_rate = batch * n / hf
-        print(f"  batch {batch}: specgraph {sg:.1f} tok/s ({launched:.1f} without CUDA graphs), HF eager "
-              f"(sequential) {hf_rate:.1f} tok/s, {sg / hf_rate:.2f}x; host overhead "
-              f"{100 * engine.stats['host_overhead_fraction']:.1f}%", flush=True)
-    check("SmolLM2: no recompiles in steady state", engine.stats["recompiles"] == 0, str(engine.stats["recompiles"]))
-    check("SmolLM2: one CUDA graph per bucket, replayed", engine.stats["cuda_graph_captures"] == len(engine.program.buckets),
-          f"{engine.stats['cuda_graph_captures']} captures, buckets {engine.program.buckets}")
+        print(f"  batch {batch}: HF eager (sequential) {batch * n / hf:.1f} tok/s", flush=True)
+    variant_checks(model, tok, prompts, got[True])
+
+
+def variant_checks(model, tok, prompts, plain) -> None:
+    """Speculation and a quantized cache on the GPU: greedy tokens must match plain decoding."""
+    import specgraph
+
+    variants = {"ngram k=4 (fixed)": dict(draft="ngram", num_draft_tokens=4, adaptive=False),
+                "ngram adaptive": dict(draft="ngram"),
+                "kv fp8 (hot window)": dict(kv_dtype="fp8")}
+    for name, kwargs in variants.items():
+        try:
+            t0 = time.perf_counter()
+            engine = specgraph.Engine(model, tokenizer=tok, lowering="inductor", **kwargs)
+            got = [r.token_ids for r in engine.generate(prompts, max_new_tokens=32, ignore_eos=True)]
+            n = 64
+            rate = _rate(lambda: engine.generate(prompts[:1], max_new_tokens=n, ignore_eos=True), 1, n)
+        except Exception:
+            traceback.print_exc()
+            check(f"SmolLM2 {name} ran", False)
+            continue
+        same = sum(g == w for g, w in zip(got, plain))
+        detail = f"{same}/{len(prompts)} identical; built+ran in {time.perf_counter() - t0:.1f} s; batch 1 {rate:.1f} tok/s"
+        if "ngram" in name:
+            detail += f", {engine.stats['mean_accepted_tokens']:.2f} tokens/forward"
+        # fp8 is lossy: its tokens may part from float32's after a few steps, so it is reported, not checked
+        check(f"SmolLM2 {name}: greedy == plain", same == len(prompts) or "fp8" in name, detail)
 
 
 def bandwidth(device, peak_gbps: float) -> None:
@@ -218,6 +275,7 @@ def main() -> int:
     parser.add_argument("--skip-smollm2", action="store_true")
     parser.add_argument("--model", default="smollm2-135m-instruct", help="load_model's name or a .gguf path")
     parser.add_argument("--peak-gbps", type=float, default=4800.0, help="the GPU's peak memory bandwidth")
+    parser.add_argument("--sections", default="tests,kernels,engine,bandwidth", help="which sections to run, in order")
     args = parser.parse_args()
     if os.environ.get("TRITON_INTERPRET") == "1":
         print("unset TRITON_INTERPRET: this script runs the compiled kernels on the GPU")
@@ -228,10 +286,14 @@ def main() -> int:
     device = torch.device("cuda")
     print(f"GPU: {torch.cuda.get_device_name()}; torch {torch.__version__}", flush=True)
     t0 = time.perf_counter()
-    sections = [("tests", gpu_tests), ("kernels", lambda: kernel_checks(device)),
-                ("engine", lambda: engine_checks(device, not args.skip_smollm2, args.model)),
-                ("bandwidth", lambda: bandwidth(device, args.peak_gbps))]
-    for name, run in sections:  # a section that breaks is a failure; the others still run
+    sections = {"tests": gpu_tests, "kernels": lambda: kernel_checks(device),
+                "engine": lambda: engine_checks(device, not args.skip_smollm2, args.model),
+                "bandwidth": lambda: bandwidth(device, args.peak_gbps)}
+    chosen = args.sections.split(",")
+    unknown = sorted(set(chosen) - set(sections))
+    if unknown:
+        parser.error(f"unknown section(s) {unknown}; choose from {list(sections)}")
+    for name, run in ((n, sections[n]) for n in chosen):  # a section that breaks is a failure; the others still run
         try:
             run()
         except Exception:

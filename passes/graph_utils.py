@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch._dispatch.python import enable_python_dispatcher
 import torch.fx as fx
 
 
@@ -28,10 +29,19 @@ def attr_value(gm: fx.GraphModule, target: str):
     return value
 
 
+def graph_device(gm: fx.GraphModule) -> torch.device:
+    """The device of the graph's tensor inputs (the model's: capture fakeifies the real inputs)."""
+    for node in gm.graph.find_nodes(op="placeholder"):
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            return val.device
+    return torch.device("cpu")
+
+
 def fake_like(gm: fx.GraphModule, shape, dtype) -> torch.Tensor:
-    """A fake tensor (of the capture's fake mode) for a new input's metadata."""
+    """A fake tensor (of the capture's fake mode, on the graph's device) for a new input's metadata."""
     with gm.meta["fake_mode"]:
-        return torch.empty(shape, dtype=dtype)
+        return torch.empty(shape, dtype=dtype, device=graph_device(gm))
 
 
 def is_whole_size(target) -> bool:
@@ -70,9 +80,15 @@ class _FakeProp(fx.Interpreter):
 
 
 def refresh_meta(gm: fx.GraphModule) -> None:
-    """Recompute every node's ``meta["val"]`` from the inputs' and parameters' fake values."""
+    """Recompute every node's ``meta["val"]`` from the inputs' and parameters' fake values.
+
+    Under the Python dispatcher, as Dynamo and make_fx trace: composite ops (``aten.matmul``) then
+    run their symbolic Python decompositions. Their C++ kernels read concrete sizes on some
+    devices (torch 2.11 on CUDA: RoPE's matmul pinned the sequence length to its sample's, and
+    Dynamo refused the specialization).
+    """
     mode = gm.meta["fake_mode"]
-    with mode, torch.no_grad():
+    with mode, enable_python_dispatcher(), torch.no_grad():
         _FakeProp(gm, mode).run()
 
 
