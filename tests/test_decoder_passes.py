@@ -193,3 +193,43 @@ def test_a_whole_size_read_keeps_the_sequence_length_symbolic(size_op):
     assert aten.sym_size.int in targets
     real = torch.randn(2, 5)
     torch.testing.assert_close(gm(real), real * 5)
+
+
+def test_fake_propagation_takes_the_python_decompositions_dynamo_traced():
+    """Composite ops (RoPE's ``aten.matmul``) must re-propagate through their symbolic Python
+    decompositions, as Dynamo's trace did: their C++ kernels read concrete sizes on some devices
+    (torch 2.11 on CUDA pinned the sequence length, and Dynamo refused the build). An op with a
+    C++-path kernel and a Python-dispatcher kernel tells which one ran."""
+    import torch.fx as fx
+    from torch._C import DispatchKey
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+
+    from specgraph.passes.graph_utils import refresh_meta
+
+    lib = torch.library.Library("specgraph_test_decomp", "DEF")
+    lib.define("scale(Tensor x) -> Tensor")
+    ran = []
+
+    def cpp_path(x):
+        ran.append("dispatcher kernel")
+        return x * 2
+
+    lib.impl("scale", cpp_path, "CompositeImplicitAutograd")
+    op = torch.ops.specgraph_test_decomp.scale.default
+
+    @op.py_impl(DispatchKey.CompositeImplicitAutograd)
+    def python_decomposition(x):
+        ran.append("python decomposition")
+        return x * 2
+
+    g = fx.Graph()
+    x = g.placeholder("x")
+    g.output(g.call_function(op, (x,)))
+    gm = fx.GraphModule(torch.nn.Module(), g)
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    x.meta["val"] = mode.from_tensor(torch.ones(2, 8), symbolic_context=StatelessSymbolicContext(
+        dynamic_sizes=[DimDynamic.STATIC, DimDynamic.DYNAMIC]))
+    gm.meta["fake_mode"] = mode
+    refresh_meta(gm)
+    assert ran == ["python decomposition"]
