@@ -33,9 +33,11 @@ evidence class are worth on this model), never from another timed run; the cost 
 
 Every setting runs a unit with the same seed, and the target draws each sampled position's token
 from that position's own uniform, so with n-gram drafts every setting emits the same tokens as
-``none``, sampled or greedy (checked; a draft model's sampled drafts change the text, never its
+``none``, sampled or greedy (a draft model's sampled drafts change the text, never its
 distribution): a class's settings are timed on the same text, and what differs is the forwards
-per token and their cost.
+per token and their cost. Every run is checked, not only the fastest, and a difference is located
+(unit, run, sequence, token). A verify step runs another compiled step than a plain decode, so a
+uniform within rounding of a token's CDF boundary could pick the neighbouring token.
 
 Printed: tok/s per class and over the whole mix (tokens / seconds, summed), the best fixed
 setting per class, adaptive's ratio to it and to ``none``, whether tokens equal ``none``'s, and
@@ -133,6 +135,19 @@ def combine(units: list[list[dict]]) -> dict:
     return dict(tokens=total["tokens"], seconds=total["seconds"], outputs=[o for u in units for o in u["outputs"]],
                 speculated=spec / forwards if forwards else 0.0, mean_draft=total["drafted"] / spec if spec else 0.0,
                 tokens_per_forward=total["emitted"] / forwards if forwards else 1.0)
+
+
+def token_mismatches(runs: list[list[dict]], reference: list[list[dict]]) -> list[str]:
+    """Where a setting's tokens part from the reference's in the same unit and run: "unit u run i
+    sequence j token t" for each run that differs (``runs[u][i]``: unit u's i-th run, as in :func:`combine`)."""
+    found = []
+    for u, (mine, theirs) in enumerate(zip(runs, reference)):
+        for i, (a, b) in enumerate(zip(mine, theirs)):
+            for j, (x, y) in enumerate(zip(a["outputs"], b["outputs"])):
+                if x != y:
+                    t = next((t for t, (p, q) in enumerate(zip(x, y)) if p != q), min(len(x), len(y)))
+                    found.append(f"unit {u} run {i} sequence {j} token {t}")
+    return found
 
 
 def paired_speedup(fast: list[list[dict]], slow: list[list[dict]], draws: int = 4000) -> tuple[float, float, float]:
@@ -282,10 +297,10 @@ def main(argv=None) -> int:
               format_table(["setting", "class", "vs best fixed", "held out", "worst fixed", "vs none", "vs off"],
                            paired, right={2, 3, 5, 6})]
     same_text = [s[0] for s in settings if s[1] in ("none", "ngram")]  # deterministic drafts: sampled text too
-    mismatches = [f"{label} on {col(c)}" for c in classes for label in (labels if c[2] == 0 else same_text)
-                  if results[c][label]["outputs"] != results[c]["none"]["outputs"]]
-    lines += ["", "tokens equal to none's (greedy: every setting; sampled: none and ngram's settings): "
-              + ("all" if not mismatches else "NO: " + ", ".join(mismatches))]
+    mismatches = [f"{label} on {col(c)} ({where})" for c in classes for label in (labels if c[2] == 0 else same_text)
+                  for where in token_mismatches(runs_of[c][label], runs_of[c]["none"])]
+    lines += ["", "tokens equal to none's in every run (greedy: every setting; sampled: none and ngram's settings): "
+              + ("all" if not mismatches else "NO: " + "; ".join(mismatches))]
     for p in args.proposers:
         cost = engines[p].controller.forward_cost.as_dict()
         lines.append(f"{p}: controller's forward cost (ms by stream size): "

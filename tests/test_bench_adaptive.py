@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-from bench_adaptive import held_out_best_speedup, paired_speedup  # noqa: E402
+from bench_adaptive import held_out_best_speedup, paired_speedup, token_mismatches  # noqa: E402
 
 
 def test_the_best_fixed_setting_is_chosen_without_the_round_it_is_compared_in():
@@ -54,3 +54,12 @@ def test_the_pooled_verdict_is_printed_per_class_and_over_the_mix(tmp_path, caps
     out = capsys.readouterr().out
     assert "2 runs pooled, 4 rounds" in out and "1.00 [1.00-1.00]" in out and "2.00 [2.00-2.00]" in out
     assert "1.000x the best fixed (ngram k=2), 2.000x none" in out
+
+
+def test_token_mismatches_are_found_in_every_run_and_located():
+    run = lambda *outputs: dict(outputs=[list(o) for o in outputs])  # noqa: E731
+    reference = [[run([1, 2, 3], [4, 5]), run([1, 2, 3], [4, 5])], [run([7, 8])]]
+    same = [[run([1, 2, 3], [4, 5]), run([1, 2, 3], [4, 5])], [run([7, 8])]]
+    assert token_mismatches(same, reference) == []
+    differing = [[run([1, 2, 3], [4, 5]), run([1, 2, 3], [4, 6])], [run([9, 8])]]
+    assert token_mismatches(differing, reference) == ["unit 0 run 1 sequence 1 token 1", "unit 1 run 0 sequence 0 token 0"]
