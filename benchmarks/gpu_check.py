@@ -1,4 +1,4 @@
-"""One command for a CUDA machine (about 5-8 minutes): GPU tests, kernels, the engine end to end, bandwidth.
+"""One command for a CUDA machine (about 12 minutes): GPU tests, kernels, the engine end to end, bandwidth.
 
     python benchmarks/gpu_check.py [--skip-smollm2] [--model NAME_OR_GGUF] [--peak-gbps 4800]
                                    [--sections tests,kernels,engine,bandwidth]
