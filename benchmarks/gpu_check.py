@@ -224,10 +224,12 @@ def variant_checks(model, tok, prompts, plain) -> None:
     """Speculation and a quantized cache on the GPU: greedy tokens must match plain decoding."""
     import specgraph
 
-    variants = {"ngram k=4 (fixed)": dict(draft="ngram", num_draft_tokens=4, adaptive=False),
-                "ngram adaptive": dict(draft="ngram"),
-                "kv fp8 (hot window)": dict(kv_dtype="fp8")}
-    for name, kwargs in variants.items():
+    # (engine arguments, whether its greedy tokens must equal plain decoding's: fp8 is lossy, its tokens
+    # may part from float32's after a few steps, so they are reported, not checked)
+    variants = {"ngram k=4 (fixed)": (dict(draft="ngram", num_draft_tokens=4, adaptive=False), True),
+                "ngram adaptive": (dict(draft="ngram"), True),
+                "kv fp8 (hot window)": (dict(kv_dtype="fp8"), False)}
+    for name, (kwargs, lossless) in variants.items():
         try:
             t0 = time.perf_counter()
             engine = specgraph.Engine(model, tokenizer=tok, lowering="inductor", **kwargs)
@@ -240,10 +242,12 @@ def variant_checks(model, tok, prompts, plain) -> None:
             continue
         same = sum(g == w for g, w in zip(got, plain))
         detail = f"{same}/{len(prompts)} identical; built+ran in {time.perf_counter() - t0:.1f} s; batch 1 {rate:.1f} tok/s"
-        if "ngram" in name:
+        if engine.proposer is not None:
             detail += f", {engine.stats['mean_accepted_tokens']:.2f} tokens/forward"
-        # fp8 is lossy: its tokens may part from float32's after a few steps, so it is reported, not checked
-        check(f"SmolLM2 {name}: greedy == plain", same == len(prompts) or "fp8" in name, detail)
+        if lossless:
+            check(f"SmolLM2 {name}: greedy == plain", same == len(prompts), detail)
+        else:
+            print(f"  SmolLM2 {name}: {detail}", flush=True)
 
 
 def bandwidth(device, peak_gbps: float) -> None:
