@@ -1,6 +1,6 @@
 """Few-row GEMMs of a SmolLM2-135M decode step: aten.linear vs prepacked MKL vs prepacked oneDNN.
 
-    .venv/bin/python benchmarks/bench_gemm.py [--threads 2] [--rows 1,2,4,8,16] [--repeats 7]
+    .venv/bin/python benchmarks/bench_gemm.py [--threads 2] [--rows 1,2,4,8,9,16,64,256] [--repeats 7]
 
 One "step" runs every projection of the 30 layers and the LM head on M rows, each weight read
 once, as the real decode step does (538 MB of float32: the weights do not fit in any cache, so
@@ -12,7 +12,9 @@ this is the streaming cost, not a hot-cache microbenchmark). Layouts:
 Kernels: ``aten.linear`` (MKL sgemm on the plain weight), ``torch.mm(W, x.T)`` (the same GEMM
 transposed), MKL's packed GEMM (``mkl._mkl_linear``, what Inductor's freezing picks for float32
 with a static batch), and oneDNN over weights reordered once (``mkldnn._linear_pointwise``,
-what specgraph's CPU lowering uses), and specgraph's C++ few-row linear (``specgraph_cpu::gemv``).
+what specgraph's CPU lowering used before the panel kernel), specgraph's C++ few-row linear
+(``specgraph_cpu::gemv``) and its batch-invariant panel kernel (``specgraph_cpu::panel_linear``, what
+every CPU step graph runs now).
 The median of ``--repeats`` steps is printed, plus the
 weight bytes per ms it implies.
 """
@@ -52,6 +54,12 @@ def make_kernels(weights: list[torch.Tensor]) -> dict[str, list]:
     gemv = cpu_kernels.native_op("gemv")
     if gemv is not None:
         kernels["specgraph gemv"] = [lambda x, w=w: gemv(x, w, None) for w in weights]
+    panel_linear = cpu_kernels.native_op("panel_linear")
+    if panel_linear is not None:
+        from specgraph.kernels.panel_linear import packed
+
+        kernels["specgraph panel"] = [lambda x, p=packed(w), n=w.shape[0]: panel_linear(x, p, None, n)
+                                      for w in weights]
     return kernels
 
 
@@ -75,7 +83,7 @@ def time_step(calls: list, weights: list[torch.Tensor], rows: int, repeats: int)
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--rows", default="1,2,4,8,9,16")
+    parser.add_argument("--rows", default="1,2,4,8,9,16,64,256")
     parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)

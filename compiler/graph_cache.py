@@ -89,7 +89,7 @@ def read_json(path: Path):
 
 def _sources_digest() -> str:
     h = hashlib.blake2b(digest_size=16)
-    for path in sorted(_PACKAGE.glob("*/*.py")):
+    for path in sorted([*_PACKAGE.glob("*/*.py"), *_PACKAGE.glob("*/*.cpp")]):  # (C++ kernels change plans)
         h.update(path.relative_to(_PACKAGE).as_posix().encode())
         h.update(path.read_bytes())
     return h.hexdigest()

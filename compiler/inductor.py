@@ -4,9 +4,12 @@ The eager lowering (:mod:`.lowering`) runs the graph op by op from Python, about
 per SmolLM2 step. Here Inductor compiles it instead (``compile_fx`` straight on the captured,
 transformed graph; no second Dynamo trace): C++/OpenMP on CPU (``lowering="inductor"``), Triton on
 CUDA, or Triton run by the interpreter on CPU tensors (``lowering="triton-interpret"``, how CI
-proves the whole decoder lowers to Triton). Inductor freezes the weights and prepacks the linears.
-The kernel ops stay extern calls: on CPU their native C++ twins (``lowering.bind_native_ops``),
-elsewhere the ``specgraph::`` ops, whose bodies dispatch through ``kernels/registry.py``.
+proves the whole decoder lowers to Triton). Inductor freezes the weights. The kernel ops stay extern
+calls: on CPU their native C++ twins (``lowering.bind_native_ops``), elsewhere the ``specgraph::``
+ops, whose bodies dispatch through ``kernels/registry.py``. On CPU every graph's float32 linears
+run specgraph's panel kernel over weights packed once (``kernels/panel_linear.py``), as the C++
+attention kernel runs every step: a token's logits are then bitwise the same whichever graph, step
+size or batch computed them.
 
 Shapes. A step's graph is specialized to a :class:`~.program.StepShape` and every step is padded
 to one (``AttentionMetadata.padded``), so steady-state generation never recompiles:
@@ -40,7 +43,7 @@ import torch.fx as fx
 from .signature import InputSpec, Role
 from ..kernels.config import use_triton_kernels
 from .dump import Dumper
-from .lowering import bind_gemv, bind_native_ops
+from .lowering import bind_gemv, bind_native_ops, cpu_linear_kind, prepack_linears
 from .passes import copy_graph_module
 
 # inputs whose every dim varies from step to step (tokens, sequences, table width)
@@ -130,7 +133,7 @@ class StepGraphs:
 
     def __init__(self, gm: fx.GraphModule, inputs: list[InputSpec], lowering: str, buckets: tuple[int, ...],
                  dump_dir: str | None = None, bucket_linears: str | dict[int, str] = "inductor",
-                 cuda_graphs: bool = True):
+                 cuda_graphs: bool = True, panel_linears: bool = True):
         if lowering not in ("inductor", "triton-interpret"):
             raise ValueError(f"StepGraphs compiles the inductor lowerings; got {lowering!r}")
         self.lowering = lowering
@@ -148,8 +151,12 @@ class StepGraphs:
         self._roles = [inputs[i].role for i in self._keep]
         self._base = _tensor_inputs_only(gm, ids_name, len_name)
         self._on_cpu = all(t.device.type == "cpu" for t in self._base.parameters())
+        #: every graph's float32 linears run the panel kernel (a row's result is the same in each)
+        self.panel_linears = panel_linears and lowering == "inductor" and self._on_cpu and cpu_linear_kind() == "panel"
         if lowering == "inductor" and self._on_cpu:
             bind_native_ops(self._base)
+            if self.panel_linears:
+                prepack_linears(self._base, "panel")
         self._graphs: dict[object, Callable] = {}  # (bucket size or "dynamic", cache size) -> compiled
         #: on CUDA, bucket steps replay as CUDA graphs (cuda_graphs.py); the dynamic graph's shapes vary
         self.cuda_graphs = cuda_graphs and lowering == "inductor" and not self._on_cpu

@@ -9,12 +9,12 @@ Python layers (about 0.1 ms per call, 60 calls per SmolLM2 step). New kernels re
 implementations in the registry; nothing here changes. (The Inductor lowerings,
 :mod:`.inductor`, keep the custom ops as extern calls, whose bodies call the same registry.)
 
-On CPU, float32 ``aten.linear`` calls on constant weights also become oneDNN linears over
-weights reordered once, here (``prepack=True``): for the few-row GEMMs of decoding (1-16 rows)
-oneDNN's blocked weight layout streams the weights about 1.6x (one row) to 2.4x (8 rows) faster
-than ``aten.linear``'s MKL call on the plain layout (SmolLM2's layers, 2 threads; see
-``benchmarks/bench_gemm.py``). The reordered copy is extra memory: the graph module
-of the program keeps the plain weights (they are the model's).
+On CPU, float32 ``aten.linear`` calls on constant weights also run over weights packed once, here
+(``prepack=True``): specgraph's panel kernel (``kernels/panel_linear.py``) when the C++ kernels are
+built, whose rows do not depend on each other (a verify's logits are bitwise a decode's) and which
+streamed SmolLM2's weights faster than oneDNN at 1-28 rows and as fast at 64-256; else oneDNN's
+blocked layout (1.6x to 2.4x ``aten.linear``'s MKL call at 1-8 rows). The packed copy is extra
+memory: the graph module of the program keeps the plain weights (they are the model's).
 """
 from __future__ import annotations
 
@@ -54,15 +54,16 @@ def _specgraph_op(target) -> str | None:
 
 def lower(gm: fx.GraphModule, prepack: bool = True, dump_dir: str | None = None) -> fx.GraphModule:
     """A copy of ``gm`` whose specgraph ops call their implementations directly (and whose CPU
-    float32 linears run oneDNN over prepacked weights, when ``prepack`` and oneDNN is available).
+    float32 linears run over weights packed once, with ``prepack``: :func:`cpu_linear_kind`).
     With ``dump_dir``, the C++ source of the CPU attention kernel is written there when it is used."""
     lowered = copy_graph_module(gm)
     for node in lowered.graph.nodes:
         op = _specgraph_op(node.target) if node.op == "call_function" else None
         if op is not None:
             node.target = direct_call(op)
-    if prepack and onednn_available():
-        prepack_linears(lowered)
+    kind = cpu_linear_kind() if prepack else None
+    if kind is not None:
+        prepack_linears(lowered, kind)
     if _runs_cpu_kernels(lowered):
         cpu_kernels.build_now()  # compile the C++ kernels here, not in the middle of the first request
         if dump_dir:
@@ -121,9 +122,13 @@ def onednn_available() -> bool:
 PREPACK_ROWS_HINT = 8  # oneDNN picks the weight layout for this many rows; measured fine for 1-16
 
 
-def prepack_linears(gm: fx.GraphModule) -> int:
-    """``aten.linear(x, w[, b])`` with ``w`` a CPU float32 constant -> ``mkldnn._linear_pointwise``
-    over ``w`` reordered once (a new buffer ``<w>_onednn``). Returns how many were rewritten."""
+def prepack_linears(gm: fx.GraphModule, kind: str = "onednn") -> int:
+    """``aten.linear(x, w[, b])`` with ``w`` a CPU float32 constant -> a linear over ``w`` packed once
+    (a new buffer ``<w>_<kind>``): ``"panel"``, specgraph's batch-invariant kernel
+    (``kernels/panel_linear.py``), or ``"onednn"``, ``mkldnn._linear_pointwise`` over oneDNN's layout.
+    Returns how many were rewritten."""
+    from ..kernels import panel_linear
+
     packed: dict[str, str] = {}
     count = 0
     for node in list(gm.graph.nodes):
@@ -136,16 +141,31 @@ def prepack_linears(gm: fx.GraphModule) -> int:
         if not (isinstance(w, torch.Tensor) and w.dim() == 2 and w.dtype == torch.float32 and w.device.type == "cpu"):
             continue
         if w_node.target not in packed:
-            name = w_node.target.replace(".", "_") + "_onednn"
-            gm.register_buffer(name, torch.ops.mkldnn._reorder_linear_weight(w.detach(), PREPACK_ROWS_HINT))
+            name = w_node.target.replace(".", "_") + "_" + kind
+            gm.register_buffer(name, panel_linear.packed(w) if kind == "panel" else
+                               torch.ops.mkldnn._reorder_linear_weight(w.detach(), PREPACK_ROWS_HINT))
             packed[w_node.target] = name
         with gm.graph.inserting_before(node):
             packed_w = gm.graph.get_attr(packed[w_node.target])
         bias = node.args[2] if len(node.args) > 2 else None
-        node.target = torch.ops.mkldnn._linear_pointwise.default
-        node.args = (node.args[0], packed_w, bias, "none", [], "")
+        if kind == "panel":
+            node.target = cpu_kernels.native_op("panel_linear")
+            node.args = (node.args[0], packed_w, bias, w.shape[0])
+        else:
+            node.target = torch.ops.mkldnn._linear_pointwise.default
+            node.args = (node.args[0], packed_w, bias, "none", [], "")
         if not w_node.users:  # (no graph-wide DCE: the lowered kernel calls look pure to FX)
             gm.graph.erase_node(w_node)
         count += 1
+    if count:
+        gm.recompile()
     return count
+
+
+def cpu_linear_kind() -> str | None:
+    """How :func:`prepack_linears` runs CPU float32 linears here: ``"panel"`` when the C++ kernels are
+    built, else ``"onednn"`` when oneDNN is, else None (``aten.linear`` stays)."""
+    if cpu_kernels.native_op("panel_linear") is not None:
+        return "panel"
+    return "onednn" if onednn_available() else None
 

@@ -21,7 +21,7 @@ import torch.fx as fx
 
 from .analysis import pick_output
 from .backend import CompiledGraph, run_capture_pipeline
-from .lowering import lower
+from .lowering import cpu_linear_kind, lower
 from .options import BackendOptions
 from .pipeline import decoder_passes
 from .signature import CACHE_PARTS, Role, SignatureError
@@ -326,12 +326,14 @@ class DecoderProgram:
         from .step_plan import StepPlan, save_plan, starting_plan
 
         timed = self.device.type == "cpu" and self.lowering == "inductor"  # (the interpreter's timings mean nothing)
-        plan, cached = starting_plan(self.gm, self.device, self.cache_key, self.lowering, table_width, buckets,
-                                     bucket_linears, timed)
-        self.step_plan = plan.reason
         options = self.compiled.context.options
+        panel = (self.device.type == "cpu" and self.lowering == "inductor" and options.prepack_weights
+                 and cpu_linear_kind() == "panel")
+        plan, cached = starting_plan(self.gm, self.device, self.cache_key, self.lowering, table_width, buckets,
+                                     bucket_linears, timed, panel)
+        self.step_plan = plan.reason
         steps = StepGraphs(self.gm, self._inputs, self.lowering, plan.buckets, dump_dir=options.dump_dir,
-                           bucket_linears=plan.bucket_linears, cuda_graphs=options.cuda_graphs)
+                           bucket_linears=plan.bucket_linears, cuda_graphs=options.cuda_graphs, panel_linears=panel)
 
         def run_padding_step(shape: StepShape) -> None:
             empty = AttentionMetadata.build([], self.page_size, [])
@@ -348,7 +350,7 @@ class DecoderProgram:
                 self.step_plan += "; " + steps.keep_faster_buckets(run_padding_step)
                 self.step_plan += "; " + steps.measure_padding(run_padding_step)
                 if buckets is None:
-                    save_plan(self.cache_key, self.lowering, table_width,
+                    save_plan(self.cache_key, self.lowering, table_width, panel,
                               StepPlan(steps.buckets, {b: steps.bucket_linears[b] for b in steps.buckets},
                                        self.step_plan, steps.pad_tokens))
         return steps

@@ -32,7 +32,7 @@ class StepPlan:
     graph, with its padding once measured; ``reason`` says why."""
 
     buckets: tuple[int, ...]
-    bucket_linears: dict[int, str]  # bucket -> "inductor" or "gemv"
+    bucket_linears: dict[int, str]  # bucket -> "inductor", "gemv" or "panel" (every graph's: StepGraphs)
     reason: str
     #: dynamic-graph steps of n tokens run padded to pad_tokens[n] (StepGraphs.measure_padding); None:
     #: not measured yet
@@ -47,10 +47,13 @@ WIDE_BUCKETS = (4, 8)  # the multi-token static graphs choose_buckets considers 
 WIDE_CANDIDATE_SLACK = 1.25
 
 
-def choose_buckets(gm: fx.GraphModule, device: torch.device) -> StepPlan:
+def choose_buckets(gm: fx.GraphModule, device: torch.device, panel_linears: bool = False) -> StepPlan:
     """The step graphs to compile, decided by measurement on this machine.
 
-    On CUDA: :data:`CUDA_BUCKETS`. On CPU the choice is how a decode's linears run, which is most
+    On CUDA: :data:`CUDA_BUCKETS`. With ``panel_linears`` (every graph's float32 linears run specgraph's
+    batch-invariant panel kernel, ``StepGraphs(panel_linears=True)``), there is no kernel to choose:
+    static graphs for 1 and :data:`WIDE_BUCKETS` tokens are compiled (their C++ wrappers save host time),
+    and :meth:`StepGraphs.keep_faster_buckets` keeps the wide ones where whole steps win. Otherwise On CPU the choice is how a decode's linears run, which is most
     of a batch-1 step. Inductor runs the linears of a graph with a static row count through MKL's
     packed GEMM and those of a graph with a symbolic row count through oneDNN's; specgraph also has
     a C++ few-row kernel (``specgraph_cpu::gemv``, the weights streamed once for up to 8 rows). Which
@@ -70,6 +73,10 @@ def choose_buckets(gm: fx.GraphModule, device: torch.device) -> StepPlan:
     if device.type == "cuda":
         return StepPlan(CUDA_BUCKETS, dict.fromkeys(CUDA_BUCKETS, "inductor"),
                         f"CUDA: static graphs for {CUDA_BUCKETS} tokens, the dynamic graph above")
+    if panel_linears:
+        buckets = (1,) + WIDE_BUCKETS
+        return StepPlan(buckets, dict.fromkeys(buckets, "panel"),
+                        f"panel linears (batch-invariant) at every step size -> static graphs for steps of {buckets} tokens")
     if not torch.backends.mkldnn.is_available():
         return StepPlan((), {}, "CPU without oneDNN: every step runs the dynamic graph")
     weights, total = [], 0
@@ -171,16 +178,16 @@ def _time_linears(weights: list[torch.Tensor], repeats: int = 7) -> dict[str, fl
     return best
 
 
-def _plan_name(lowering: str, table_width: int) -> str:
-    return f"step-plan-{lowering}-w{table_width}"
+def _plan_name(lowering: str, table_width: int, panel_linears: bool) -> str:
+    return f"step-plan-{lowering}-w{table_width}" + ("-panel" if panel_linears else "")
 
 
-def load_plan(key: str | None, lowering: str, table_width: int) -> StepPlan | None:
+def load_plan(key: str | None, lowering: str, table_width: int, panel_linears: bool) -> StepPlan | None:
     """The plan a build of the program cached under ``key`` measured on this kind of machine (its
     buckets already checked by whole steps, its padding measured), or None."""
     from .graph_cache import measurement_path, read_json
 
-    path = measurement_path(key, _plan_name(lowering, table_width))
+    path = measurement_path(key, _plan_name(lowering, table_width, panel_linears))
     data = read_json(path) if path is not None else None
     try:
         return StepPlan(tuple(int(b) for b in data["buckets"]),
@@ -190,18 +197,18 @@ def load_plan(key: str | None, lowering: str, table_width: int) -> StepPlan | No
         return None
 
 
-def save_plan(key: str | None, lowering: str, table_width: int, plan: StepPlan) -> None:
+def save_plan(key: str | None, lowering: str, table_width: int, panel_linears: bool, plan: StepPlan) -> None:
     """Keep a fully measured ``plan`` for :func:`load_plan` (nothing without a graph-cache key)."""
     from .graph_cache import measurement_path, write_json
 
-    path = measurement_path(key, _plan_name(lowering, table_width))
+    path = measurement_path(key, _plan_name(lowering, table_width, panel_linears))
     if path is not None and plan.pad_tokens is not None:
         write_json(path, dict(buckets=list(plan.buckets), bucket_linears={str(b): k for b, k in plan.bucket_linears.items()},
                               reason=plan.reason, pad_tokens={str(n): m for n, m in plan.pad_tokens.items()}))
 
 
 def starting_plan(gm: fx.GraphModule, device: torch.device, key: str | None, lowering: str, table_width: int,
-                  buckets, bucket_linears, timed: bool) -> tuple[StepPlan, bool]:
+                  buckets, bucket_linears, timed: bool, panel_linears: bool = False) -> tuple[StepPlan, bool]:
     """The plan a build compiles, and whether an earlier build measured it (then nothing is timed again):
     the ``buckets`` given (``bucket_linears``: one kind for all, or per bucket); else, where timings mean
     something (``timed``), the plan an earlier build of the program kept on this kind of machine; else
@@ -209,7 +216,7 @@ def starting_plan(gm: fx.GraphModule, device: torch.device, key: str | None, low
     if buckets is not None:
         linears = dict.fromkeys(buckets, bucket_linears) if isinstance(bucket_linears, str) else dict(bucket_linears)
         return StepPlan(tuple(buckets), linears, f"buckets {buckets} given, linears: {bucket_linears}"), False
-    cached = load_plan(key, lowering, table_width) if timed else None
+    cached = load_plan(key, lowering, table_width, panel_linears) if timed else None
     if cached is not None:
         return replace(cached, reason="as measured by an earlier build on this machine: " + cached.reason), True
-    return choose_buckets(gm, device), False
+    return choose_buckets(gm, device, panel_linears), False

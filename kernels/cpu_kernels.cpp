@@ -27,6 +27,8 @@ struct FloatVec {
   static constexpr int kWidth = 16, kRows = 8, kRegisters = 32;  // floats per vector, rows of x per tile
   static inline T zero() { return _mm512_setzero_ps(); }
   static inline T load(const float* p) { return _mm512_loadu_ps(p); }
+  static inline T broadcast(const float* p) { return _mm512_set1_ps(*p); }
+  static inline void store(float* p, T v) { _mm512_storeu_ps(p, v); }
   static inline T fma(T a, T b, T c) { return _mm512_fmadd_ps(a, b, c); }
   static inline float sum(T v) { return _mm512_reduce_add_ps(v); }
   static inline __m256 half(T v) {
@@ -39,6 +41,8 @@ struct FloatVec {
   static constexpr int kWidth = 8, kRows = 4, kRegisters = 16;
   static inline T zero() { return _mm256_setzero_ps(); }
   static inline T load(const float* p) { return _mm256_loadu_ps(p); }
+  static inline T broadcast(const float* p) { return _mm256_broadcast_ss(p); }
+  static inline void store(float* p, T v) { _mm256_storeu_ps(p, v); }
   static inline T fma(T a, T b, T c) { return _mm256_fmadd_ps(a, b, c); }
   static inline float sum(T v) { return hsum8(v); }
   static inline __m256 half(T v) { return v; }
@@ -369,31 +373,23 @@ static torch::Tensor attend_rows(torch::Tensor q, const Rows& rows, int64_t P, i
   const float sc = static_cast<float>(scale);
   const float cap = static_cast<float>(softcap), inv_cap = softcap > 0.0 ? static_cast<float>(1.0 / softcap) : 0.f;
   // Fewer work items than twice the threads (a small batch of decodes: 3 items on 2 threads gave one
-  // thread twice the other's work) split each plain decode's keys into C chunks: a chunk's unit
-  // writes its heads' running max, sum and unnormalized output to `part`, merged after the loop
-  // (flash-decoding). Plain: one token, no window, no tree mask, at least kMinChunkKeys keys a chunk.
-  constexpr int64_t kMinChunkKeys = 64;
+  // thread twice the other's work): each item's query heads are split into HS slices, one unit each
+  // (each reads the item's K/V rows, from cache after the first). A (token, head)'s arithmetic is the
+  // same whatever the split, the batch or the step's other tokens: a verify's rows are bitwise a
+  // decode's (splitting the keys, flash-decoding, would merge partial sums in another order).
   const int64_t items = S * KVH, threads = at::get_num_threads();
-  const int64_t C = tm || window > 0 || items >= 2 * threads ? 1 : std::min<int64_t>(8, (2 * threads + items - 1) / items);
-  auto split_keys = [&](int64_t s) -> int64_t {  // keys of sequence s if its decode is split, else 0
-    if (C == 1 || qsl[s + 1] - qsl[s] != 1 || qsl[s] < 0 || qsl[s] >= N) return 0;
-    const int64_t keys = std::min<int64_t>(pos[qsl[s]] + 1, lens[s]);
-    return keys >= C * kMinChunkKeys ? keys : 0;
-  };
-  const int64_t part_row = 2 + D;  // (max, sum, output[D]) per (item, chunk, head)
-  std::vector<float> part(C > 1 ? items * C * G * part_row : 0);
-  at::parallel_for(0, items * C, 1, [&](int64_t begin, int64_t end) {
+  const int64_t HS = items >= 2 * threads ? 1 : std::min<int64_t>(G, (2 * threads + items - 1) / items);
+  at::parallel_for(0, items * HS, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, kbuf, vbuf, kdist;  // kdist: a tree token's kp - p per key of its range
     std::vector<int64_t> lo, hi, off;
     std::vector<uint8_t> vis;  // a tree token's visible keys in its range
     for (int64_t unit = begin; unit < end; ++unit) {
-      const int64_t item = unit / C, chunk = unit % C;
-      const int64_t s = item / KVH, kvh = item % KVH, h0 = kvh * G;  // query heads h0 .. h0 + G - 1
+      const int64_t item = unit / HS, slice = unit % HS;
+      const int64_t s = item / KVH, kvh = item % KVH, h0 = kvh * G;  // the kv head's query heads h0 .. h0 + G - 1
+      const int64_t g_lo = G * slice / HS, g_hi = G * (slice + 1) / HS;  // this unit's: h0 + g_lo .. h0 + g_hi - 1
       const int64_t t0 = std::max<int64_t>(qsl[s], 0), t1 = std::min<int64_t>(qsl[s + 1], N);
       const int64_t T = t1 - t0;
-      const int64_t split = split_keys(s);
-      if (T <= 0 || (chunk > 0 && split == 0)) continue;
-      float* stats = split ? part.data() + (item * C + chunk) * G * part_row : nullptr;
+      if (T <= 0 || g_lo == g_hi) continue;
       lo.assign(T, 0);
       hi.assign(T, 0);
       // the keys the step reads: [k0, k1), the union of the tokens' visible ranges
@@ -404,10 +400,6 @@ static torch::Tensor attend_rows(torch::Tensor q, const Rows& rows, int64_t P, i
         hi[t] = std::max<int64_t>(std::min<int64_t>(tm ? base + t + 1 : p + 1, lens[s]), 0);
         if (window > 0)
           lo[t] = std::min(std::max<int64_t>(tm ? std::min(p - window + 1, base) : p - window + 1, 0), hi[t]);
-        if (split) {  // this unit's chunk of the decode's keys
-          lo[t] = split * chunk / C;
-          hi[t] = split * (chunk + 1) / C;
-        }
         if (lo[t] < hi[t]) {
           k0 = std::min(k0, lo[t]);
           k1 = std::max(k1, hi[t]);
@@ -443,7 +435,7 @@ static torch::Tensor attend_rows(torch::Tensor q, const Rows& rows, int64_t P, i
           for (int64_t t = 0; t < T; ++t) {
             if (j >= hi[t] || (W && j + nb <= lo[t])) continue;
             const float* qt = qp + ((t0 + t) * H + h0) * D;
-            for (int64_t g = 0; g < G; ++g) {
+            for (int64_t g = g_lo; g < g_hi; ++g) {
               float s4[4];
               dot4_f32(qt + g * D, kh, D, s4);
               float* row = scores.data() + (t * G + g) * nk + j - kb;
@@ -468,7 +460,7 @@ static torch::Tensor attend_rows(torch::Tensor q, const Rows& rows, int64_t P, i
             }
             if (!any) continue;
           }
-          for (int64_t g = 0; g < G; ++g) {
+          for (int64_t g = g_lo; g < g_hi; ++g) {
             const int64_t head = h0 + g;
             float* sg = scores.data() + (t * G + g) * nk + (lo[t] - kb);  // sg[i]: key lo[t] + i
             if (cap > 0.f) {
@@ -494,45 +486,20 @@ static torch::Tensor attend_rows(torch::Tensor q, const Rows& rows, int64_t P, i
               sg[i] = expf(sg[i] - mx);  // vectorized (glibc libmvec) under -ffast-math
               sum += sg[i];
             }
-            if (stats) {  // a chunk: its max and sum; the output stays unnormalized
-              stats[g * part_row] = mx;
-              stats[g * part_row + 1] = sum;
-              continue;
-            }
             const float inv = 1.f / sum;
             for (int64_t i = 0; i < n; ++i) sg[i] *= inv;
           }
           // the token's visible keys are one range: each head's output is their V rows weighted
-          float* dest = stats ? stats + 2 : op + ((t0 + t) * H + h0) * D;
-          weighted_rows_heads(dest, stats ? part_row : D, scores.data() + t * G * nk + (lo[t] - kb), nk, G, vp,
-                              off.data() + (lo[t] - kb), n, D);
+          weighted_rows_heads(op + ((t0 + t) * H + h0 + g_lo) * D, D, scores.data() + (t * G + g_lo) * nk + (lo[t] - kb),
+                              nk, g_hi - g_lo, vp, off.data() + (lo[t] - kb), n, D);
         }
       };
-      if (window > 0 || split)  // (a chunk's range starts past key 0: the windowed path's bounds)
+      if (window > 0)
         attend(std::true_type{});
       else
         attend(std::false_type{});
     }
   });
-  // merge the chunks of split decodes: out = sum_c e^(m_c - M) o_c / sum_c e^(m_c - M) l_c
-  for (int64_t item = 0; C > 1 && item < items; ++item) {
-    const int64_t s = item / KVH, h0 = (item % KVH) * G;
-    if (split_keys(s) == 0) continue;
-    for (int64_t g = 0; g < G; ++g) {
-      const float* first = part.data() + (item * C * G + g) * part_row;  // chunk c at first + c * G * part_row
-      float M = -std::numeric_limits<float>::infinity(), L = 0.f;
-      for (int64_t c = 0; c < C; ++c) M = std::max(M, first[c * G * part_row]);
-      float* o = op + (qsl[s] * H + h0 + g) * D;
-      for (int64_t c = 0; c < C; ++c) {
-        const float* row = first + c * G * part_row;
-        const float w = std::exp(row[0] - M);
-        L += w * row[1];
-        for (int64_t d = 0; d < D; ++d) o[d] += w * row[2 + d];
-      }
-      const float inv = 1.f / L;
-      for (int64_t d = 0; d < D; ++d) o[d] *= inv;
-    }
-  }
   return out;
 }
 
@@ -590,30 +557,6 @@ torch::Tensor paged_attention_mixed_short(torch::Tensor q, torch::Tensor k_hot, 
   }
   return attend_rows(q, rows, k_cold.size(1), KVH, k_hot.size(0) + k_cold.size(0), block_tables, seq_lens,
                      query_start_loc, positions, scale, window, softcap, alibi_slopes, tree_mask);
-}
-
-// Where the attention kernel beats the torch path (measured on SmolLM2's heads, 2 threads). Its cost
-// grows with queries x keys (about 0.085 us per query-key pair for 9 heads of 64): it wins for
-// decodes and 2-token verifies at any context (batch 8 at 1000 keys: 0.76 ms vs 5.6 ms), and for up
-// to 16 queries when the step reads few keys (one sequence of 200 keys, 16 queries: 0.26 vs
-// 0.32 ms), where the torch path's fixed cost dominates. Longer verifies over long contexts and
-// prefill chunks go to SDPA's blocked GEMMs (8 x 8 queries over 1000 keys: 5.5 ms vs 2.8 ms).
-bool attention_pays(torch::Tensor seq_lens, torch::Tensor query_start_loc) {
-  const int64_t S = seq_lens.size(0);
-  // the engine's metadata is int32 already: no conversion (a copy per layer) in that case
-  auto lens = seq_lens.scalar_type() == torch::kInt ? seq_lens.contiguous() : seq_lens.to(torch::kInt);
-  auto qsl = query_start_loc.scalar_type() == torch::kInt ? query_start_loc.contiguous() : query_start_loc.to(torch::kInt);
-  const int32_t* lp = lens.data_ptr<int32_t>();
-  const int32_t* qp = qsl.data_ptr<int32_t>();
-  int64_t max_q = 0, max_len = 0, live = 0;
-  for (int64_t s = 0; s < S; ++s) {
-    const int64_t q = qp[s + 1] - qp[s];
-    if (q <= 0 || lp[s] <= 0) continue;
-    ++live;
-    max_q = std::max(max_q, q);
-    max_len = std::max<int64_t>(max_len, lp[s]);
-  }
-  return max_q <= 2 || (max_q <= 16 && live * max_len <= 1024);
 }
 
 // Few-row linear: y[m, n] = x[m, :] . w[n, :] (+ b[n]) for float32 x [M, K] and w [N, K] (both
@@ -762,7 +705,7 @@ torch::Tensor native_paged_attention(torch::Tensor q, torch::Tensor k_cache, tor
                     v_cache.scalar_type() == torch::kFloat && k_cache.is_contiguous() && v_cache.is_contiguous() &&
                     block_tables.scalar_type() == torch::kInt && seq_lens.scalar_type() == torch::kInt &&
                     query_start_loc.scalar_type() == torch::kInt && positions.scalar_type() == torch::kLong;
-  if (fits && attention_pays(seq_lens, query_start_loc)) {
+  if (fits) {
     const auto [slopes, mask] = kernel_options(alibi_slopes, tree_mask);
     return paged_attention_short(q.contiguous(), k_cache, v_cache, block_tables.contiguous(), seq_lens.contiguous(),
                                  query_start_loc.contiguous(), positions.contiguous(), scale, window, softcap, slopes,
@@ -811,7 +754,7 @@ torch::Tensor native_quant_paged_attention(torch::Tensor q, torch::Tensor k_cach
                     quant_attention_fits(q, k_cache, v_cache, k_scale, v_scale, Int4) &&
                     block_tables.scalar_type() == torch::kInt && seq_lens.scalar_type() == torch::kInt &&
                     query_start_loc.scalar_type() == torch::kInt && positions.scalar_type() == torch::kLong;
-  if (fits && attention_pays(seq_lens, query_start_loc)) {
+  if (fits) {
     const auto [slopes, mask] = kernel_options(alibi_slopes, tree_mask);
     return paged_attention_quant_short(q.contiguous(), k_cache, v_cache, k_scale, v_scale, block_tables.contiguous(),
                                        seq_lens.contiguous(), query_start_loc.contiguous(), positions.contiguous(),

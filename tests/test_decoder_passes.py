@@ -133,18 +133,29 @@ def test_fuse_linears_stacks_projections_that_share_an_input():
     assert any(torch.equal(b, stacked) for name, b in program.gm.named_buffers() if name.startswith("fused_linear"))
 
 
-def test_cpu_lowering_prepacks_linear_weights_for_onednn():
-    from specgraph.compiler.lowering import lower, onednn_available
+@pytest.mark.parametrize("kind", ["panel", "onednn"])
+def test_cpu_lowering_prepacks_linear_weights(kind, monkeypatch):
+    """The CPU lowering runs float32 linears over weights packed once: specgraph's batch-invariant panel
+    kernel where the C++ kernels are built (the default), oneDNN's layout otherwise; same outputs as
+    ``aten.linear``."""
+    from specgraph.compiler import lowering
+    from specgraph.kernels import cpu_kernels
 
-    if not onednn_available():
+    if kind == "onednn" and not lowering.onednn_available():
         pytest.fail("this torch build has no oneDNN (mkldnn); the CPU lowering expects it")
+    if kind == "panel" and cpu_kernels.load() is None:
+        pytest.fail(f"the C++ CPU kernels did not build: {cpu_kernels.build_error()}")
+    assert lowering.cpu_linear_kind() == "panel"
+    monkeypatch.setattr(lowering, "cpu_linear_kind", lambda: kind)
     model = make_family("llama")
     program = compile_decoder(model, BackendOptions(page_size=8))
     plain = compile_decoder(model, BackendOptions(page_size=8, prepack_weights=False))
-    lowered = lower(program.gm)
+    lowered = lowering.lower(program.gm)
     targets = [n.target for n in lowered.graph.nodes if n.op == "call_function"]
     assert torch.ops.aten.linear.default not in targets
-    assert targets.count(torch.ops.mkldnn._linear_pointwise.default) == 4 * len(model.model.layers) + 1
+    packed = (torch.ops.specgraph_cpu.panel_linear.default if kind == "panel"
+              else torch.ops.mkldnn._linear_pointwise.default)
+    assert targets.count(packed) == 4 * len(model.model.layers) + 1
     ids = torch.randint(0, VOCAB["llama"], (9,))
     meta = AttentionMetadata.build([([2, 5], 0, 9)], 8, [list(range(9))])
     with torch.no_grad():

@@ -125,7 +125,7 @@ def test_a_second_build_on_this_machine_runs_the_plan_the_first_measured(tmp_pat
     assert ([r.token_ids for r in second.generate(prompts, max_new_tokens=4)]
             == [r.token_ids for r in first.generate(prompts, max_new_tokens=4)])
     saved[0].write_text("{not json")
-    assert step_plan.load_plan(first.program.cache_key, "inductor", a._table_width) is None
+    assert step_plan.load_plan(first.program.cache_key, "inductor", a._table_width, a.panel_linears) is None
 
 
 _PY_CPU = """

@@ -252,7 +252,7 @@ def test_cpp_kernel_matches_ref(data, scheme, with_variant):
 
 
 @pytest.mark.parametrize("scheme", ["fp8", "int4"])
-def test_cpu_dispatch_runs_the_cpp_kernel_for_decodes_over_quantized_caches(scheme):
+def test_cpu_dispatch_runs_the_cpp_kernel_for_float_queries_over_quantized_caches(scheme):
     from specgraph.kernels.registry import select
 
     _cpp()
@@ -261,7 +261,7 @@ def test_cpu_dispatch_runs_the_cpp_kernel_for_decodes_over_quantized_caches(sche
     assert select(f"paged_attention_{scheme}", *decodes.args()).name == "cpp"
     prefill = _float_q(quantize_batch(make_batch(2, 8, kv_heads=2, group=3, head_dim=32, dtype=torch.float32,
                                                  seqs=[(37, 30, 0), (20, 1, 0)]), scheme))
-    assert select(f"paged_attention_{scheme}", *prefill.args()).name == "reference"
+    assert select(f"paged_attention_{scheme}", *prefill.args()).name == "cpp"  # prefill chunks too
     half = quantize_batch(make_batch(3, 8, kv_heads=2, group=3, head_dim=32, dtype=torch.bfloat16,
                                      seqs=[(37, 1, 0)]), scheme)
     assert select(f"paged_attention_{scheme}", *half.args()).name == "reference"  # bf16 q: the torch path

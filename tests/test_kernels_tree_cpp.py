@@ -114,13 +114,12 @@ def test_a_token_that_sees_nothing_outputs_zero():
 
 
 def test_native_ops_run_a_tree_in_the_cpp_kernel():
-    """A short tree verify pays: the native ops run the kernel (same outputs as the direct calls, the
-    mask made contiguous), and the registry's tests take it. A long one goes to the dispatcher with
-    its mask, as does a bad mask (whose check names it)."""
+    """The native ops run the kernel on a tree verify (same outputs as the direct calls, the mask made
+    contiguous), and the registry's tests take it; so they do on a long one (prefill-sized), and a bad
+    mask goes to the dispatcher (whose check names it)."""
     cpu = _cpp()
     step = make_step(5, 8, kv_heads=2, group=2, head_dim=32, words=1,
                      seqs=[("tree", 20, 9), ("causal", 30, 1), ("tree", 7, 5)])
-    assert cpu.load().attention_pays(step.seq_lens, step.query_start_loc)
     loose = torch.cat([step.tree_mask, step.tree_mask], 1)[:, ::2]  # not contiguous
     assert not loose.is_contiguous()
     expected = cpu.paged_attention_short_cpp(*step.args(), 0, 0.0, alibi_slopes_for(4), step.tree_mask)
@@ -135,7 +134,7 @@ def test_native_ops_run_a_tree_in_the_cpp_kernel():
         assert takes(step.q, *cache, *step.meta(), 3, 0.0, None, step.tree_mask)
 
     long = make_step(8, 8, kv_heads=2, group=2, head_dim=32, words=2, seqs=[("tree", 40, 30), ("causal", 100, 20)])
-    assert not cpu.load().attention_pays(long.seq_lens, long.query_start_loc)
+    assert cpu._cpp_takes(*long.args(), 9, 0.0, alibi_slopes_for(4), long.tree_mask)
     got = torch.ops.specgraph_cpu.paged_attention(*long.args(), 9, 0.0, alibi_slopes_for(4), long.tree_mask)
     torch.testing.assert_close(got.double(), long.expected(long.tree_mask, window=9, alibi_slopes=alibi_slopes_for(4)), **F32)
     for scheme in ("fp8", "int4"):

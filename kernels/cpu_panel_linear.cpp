@@ -1,0 +1,143 @@
+// Batch-invariant float32 linear on CPU: specgraph_cpu::panel_linear (contract in panel_linear.py).
+//
+// y[m, n] = sum_k x[m, k] * w[n, k] (+ b[n]), each output a single FMA chain over k = 0, 1, ..., K-1
+// in that order, started at zero, the bias added last. Nothing in that chain depends on how many
+// rows x has, how they are tiled or how the work is split over threads, so a row's result is
+// bitwise the same in a 1-token decode, a 12-token verify and a 300-token prefill. (GEMM libraries
+// pick their blocking of k by the row count: a verify's logits then part from a decode's in their
+// last bits, and a sampled or near-tied greedy token can follow.)
+//
+// The weights are packed once (pack_panels) into panels of kPanel output columns, k-major: panel p
+// holds w[p*kPanel + c, k] at [p][k][c], zero past N. The kernel broadcasts x[m, k] and multiplies
+// it into the panel's row k (contiguous vectors), so there is no horizontal reduction at all, and a
+// panel is read from memory once per call and then from cache for every further tile of rows.
+// Tiles: R rows of x by V vectors of the panel in registers (AVX-512: 6 x 4, AVX2: 2 x 4, the
+// accumulators, V weight vectors and a broadcast within the register file). Work items are
+// (panel range, row block) pairs over torch's threads. Without AVX2 the same FMA chains run as
+// scalar std::fma loops.
+#include <cmath>
+
+namespace specgraph_panel {
+
+constexpr int64_t kPanel = 64;  // output columns per panel (4 AVX-512 / 8 AVX2 vectors)
+constexpr int64_t kRowBlock = 64;  // rows of x per work item (the panel stays in L2 meanwhile)
+
+#ifdef SPECGRAPH_AVX2
+using Vec = FloatVec;
+constexpr int kWidth = Vec::kWidth;
+constexpr int kVecs = 4;  // panel vectors per tile
+constexpr int kTileRows = (Vec::kRegisters - kVecs - 2) / kVecs;  // 6 (AVX-512) or 2 (AVX2)
+
+// rows [0, R) of x (row stride K) times vectors [v0, v0 + kVecs) of one panel -> y (row stride N),
+// columns from col (those >= N dropped)
+template <int R>
+static inline void tile(const float* x, const float* panel, const float* b, float* y, int64_t K, int64_t N,
+                        int64_t col, int64_t v0) {
+  typename Vec::T acc[R][kVecs];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < kVecs; ++j) acc[r][j] = Vec::zero();
+  const float* wp = panel + v0 * kWidth;
+  for (int64_t k = 0; k < K; ++k, wp += kPanel) {
+    typename Vec::T wv[kVecs];
+    for (int j = 0; j < kVecs; ++j) wv[j] = Vec::load(wp + j * kWidth);
+    for (int r = 0; r < R; ++r) {
+      const auto xb = Vec::broadcast(x + r * K + k);
+      for (int j = 0; j < kVecs; ++j) acc[r][j] = Vec::fma(wv[j], xb, acc[r][j]);
+    }
+  }
+  alignas(64) float out[kWidth];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < kVecs; ++j) {
+      const int64_t c = col + (v0 + j) * kWidth;
+      if (c >= N) break;
+      Vec::store(out, acc[r][j]);
+      const int64_t n = std::min<int64_t>(kWidth, N - c);
+      for (int64_t i = 0; i < n; ++i) y[r * N + c + i] = out[i] + (b ? b[c + i] : 0.f);
+    }
+}
+
+// the last `rows` (< kTileRows) rows of x
+template <int R>
+static inline void tail(int64_t rows, const float* x, const float* panel, const float* b, float* y, int64_t K,
+                        int64_t N, int64_t col, int64_t v0) {
+  if constexpr (R > 0) {
+    if (rows == R) tile<R>(x, panel, b, y, K, N, col, v0);
+    else tail<R - 1>(rows, x, panel, b, y, K, N, col, v0);
+  }
+}
+
+static void panel_rows(const float* x, const float* panel, const float* b, float* y, int64_t M, int64_t K,
+                       int64_t N, int64_t col) {
+  for (int64_t v0 = 0; v0 < kPanel / kWidth && col + v0 * kWidth < N; v0 += kVecs) {
+    int64_t m = 0;
+    for (; m + kTileRows <= M; m += kTileRows) tile<kTileRows>(x + m * K, panel, b, y + m * N, K, N, col, v0);
+    tail<kTileRows - 1>(M - m, x + m * K, panel, b, y + m * N, K, N, col, v0);  // a narrower tile, the same chains
+  }
+}
+#else
+static void panel_rows(const float* x, const float* panel, const float* b, float* y, int64_t M, int64_t K,
+                       int64_t N, int64_t col) {
+  const int64_t cols = std::min<int64_t>(kPanel, N - col);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t c = 0; c < cols; ++c) {
+      float acc = 0.f;
+      for (int64_t k = 0; k < K; ++k) acc = std::fma(panel[k * kPanel + c], x[m * K + k], acc);
+      y[m * N + col + c] = acc + (b ? b[col + c] : 0.f);
+    }
+}
+#endif
+
+}  // namespace specgraph_panel
+
+// w [N, K] float32 -> panels [ceil(N / 64), K, 64] (zero past N)
+torch::Tensor pack_panels(torch::Tensor w) {
+  using namespace specgraph_panel;
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kFloat, "pack_panels: a float32 weight [N, K]; got ",
+              w.scalar_type(), " with shape ", w.sizes());
+  const int64_t N = w.size(0), K = w.size(1), P = (N + kPanel - 1) / kPanel;
+  auto padded = torch::zeros({P * kPanel, K}, w.options());
+  padded.narrow(0, 0, N).copy_(w);
+  return padded.view({P, kPanel, K}).transpose(1, 2).contiguous();
+}
+
+torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, c10::optional<torch::Tensor> bias, int64_t n) {
+  using namespace specgraph_panel;
+  TORCH_CHECK(x.scalar_type() == torch::kFloat && panels.scalar_type() == torch::kFloat && panels.dim() == 3 &&
+              panels.size(2) == kPanel && x.dim() >= 1 && x.size(-1) == panels.size(1) &&
+              n > (panels.size(0) - 1) * kPanel && n <= panels.size(0) * kPanel,
+              "panel_linear: float32 x [..., K] and panels [ceil(n / 64), K, 64] from pack_panels; got x ",
+              x.scalar_type(), " ", x.sizes(), ", panels ", panels.scalar_type(), " ", panels.sizes(), ", n ", n);
+  TORCH_CHECK(!bias.has_value() || (bias->dim() == 1 && bias->size(0) == n && bias->scalar_type() == torch::kFloat),
+              "panel_linear: bias must be float32 [", n, "]");
+  auto xs = x.reshape({-1, x.size(-1)}).contiguous();
+  auto pc = panels.contiguous();
+  const int64_t M = xs.size(0), K = xs.size(1), P = pc.size(0);
+  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
+  out_shape.back() = n;
+  auto y = torch::empty({M, n}, x.options());
+  torch::Tensor bc = bias.has_value() ? bias->contiguous() : torch::Tensor();
+  const float* bp = bias.has_value() ? bc.data_ptr<float>() : nullptr;
+  const float* xp = xs.data_ptr<float>();
+  const float* wp = pc.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  if (M == 0) return y.view(out_shape);
+  const int64_t row_blocks = (M + kRowBlock - 1) / kRowBlock;
+  // items: (row block, panel); a thread's items are contiguous, so it walks its panels once per row block
+  at::parallel_for(0, row_blocks * P, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t rb = i / P, p = i % P, m0 = rb * kRowBlock, rows = std::min<int64_t>(kRowBlock, M - m0);
+      panel_rows(xp + m0 * K, wp + p * K * kPanel, bp, yp + m0 * n, rows, K, n, p * kPanel);
+    }
+  });
+  return y.view(out_shape);
+}
+
+TORCH_LIBRARY_FRAGMENT(specgraph_cpu, m) {
+  m.def("pack_panels(Tensor w) -> Tensor");
+  m.def("panel_linear(Tensor x, Tensor panels, Tensor? bias, int n) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(specgraph_cpu, CPU, m) {
+  m.impl("pack_panels", &pack_panels);
+  m.impl("panel_linear", &panel_linear);
+}
