@@ -12,9 +12,8 @@ this is the streaming cost, not a hot-cache microbenchmark). Layouts:
 Kernels: ``aten.linear`` (MKL sgemm on the plain weight), ``torch.mm(W, x.T)`` (the same GEMM
 transposed), MKL's packed GEMM (``mkl._mkl_linear``, what Inductor's freezing picks for float32
 with a static batch), and oneDNN over weights reordered once (``mkldnn._linear_pointwise``,
-what specgraph's CPU lowering used before the panel kernel), specgraph's C++ few-row linear
-(``specgraph_cpu::gemv``) and its batch-invariant panel kernel (``specgraph_cpu::panel_linear``, what
-every CPU step graph runs now).
+what specgraph's CPU lowering uses without its C++ kernels) and specgraph's batch-invariant panel
+kernel (``specgraph_cpu::panel_linear``, what every CPU step graph runs).
 The median of ``--repeats`` steps is printed, plus the
 weight bytes per ms it implies.
 """
@@ -51,9 +50,6 @@ def make_kernels(weights: list[torch.Tensor]) -> dict[str, list]:
                                     for p in packed]
     from specgraph.kernels import cpu_kernels
 
-    gemv = cpu_kernels.native_op("gemv")
-    if gemv is not None:
-        kernels["specgraph gemv"] = [lambda x, w=w: gemv(x, w, None) for w in weights]
     panel_linear = cpu_kernels.native_op("panel_linear")
     if panel_linear is not None:
         from specgraph.kernels.panel_linear import packed

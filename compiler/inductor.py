@@ -43,7 +43,7 @@ import torch.fx as fx
 from .signature import InputSpec, Role
 from ..kernels.config import use_triton_kernels
 from .dump import Dumper
-from .lowering import bind_gemv, bind_native_ops, cpu_linear_kind, prepack_linears
+from .lowering import bind_native_ops, cpu_linear_kind, prepack_linears
 from .passes import copy_graph_module
 
 # inputs whose every dim varies from step to step (tokens, sequences, table width)
@@ -132,14 +132,11 @@ class StepGraphs:
     """Compiled step graphs of one decoder program (see module docstring)."""
 
     def __init__(self, gm: fx.GraphModule, inputs: list[InputSpec], lowering: str, buckets: tuple[int, ...],
-                 dump_dir: str | None = None, bucket_linears: str | dict[int, str] = "inductor",
-                 cuda_graphs: bool = True, panel_linears: bool = True):
+                 dump_dir: str | None = None, cuda_graphs: bool = True, panel_linears: bool = True):
         if lowering not in ("inductor", "triton-interpret"):
             raise ValueError(f"StepGraphs compiles the inductor lowerings; got {lowering!r}")
         self.lowering = lowering
         self.buckets = tuple(sorted(set(buckets)))
-        self.bucket_linears = (dict(bucket_linears) if isinstance(bucket_linears, dict)
-                               else dict.fromkeys(self.buckets, bucket_linears))
         self.compiles = 0  # Inductor compiles, warm-up included
         self._warm = None  # compiles when warm_up finished
         self.compile_seconds = 0.0
@@ -310,8 +307,6 @@ class StepGraphs:
         t0 = time.perf_counter()
         name = f"bucket{key}" if key != "dynamic" else "dynamic"
         gm = copy_graph_module(self._base)
-        if key != "dynamic" and self.bucket_linears.get(key) == "gemv":
-            bind_gemv(gm)
         # fakes under our own shape env for both kinds: a scalar the model lifted to an input (a norm's
         # epsilon) is read with .item(), which a fake mode without a shape env refuses
         fake_mode, examples = _symbolic_inputs(inputs, self._roles, dynamic=key == "dynamic")

@@ -89,26 +89,6 @@ def bind_native_ops(gm: fx.GraphModule) -> int:
     return count
 
 
-def bind_gemv(gm: fx.GraphModule) -> int:
-    """``aten.linear(x, w[, b])`` with a float32 constant ``w`` -> ``specgraph_cpu::gemv`` (the C++
-    few-row kernel), for graphs whose row count is small and fixed (decode buckets). Returns how
-    many were rebound (0 when the C++ kernels are not built)."""
-    gemv = cpu_kernels.native_op("gemv")
-    count = 0
-    for node in gm.graph.nodes if gemv is not None else ():
-        if node.op != "call_function" or node.target != torch.ops.aten.linear.default or node.kwargs:
-            continue
-        w = node.args[1]
-        value = attr_value(gm, w.target) if isinstance(w, fx.Node) and w.op == "get_attr" else None
-        if isinstance(value, torch.Tensor) and value.dim() == 2 and value.dtype == torch.float32:
-            node.target = gemv
-            node.args = (node.args[0], w, node.args[2] if len(node.args) > 2 else None)
-            count += 1
-    if count:
-        gm.recompile()
-    return count
-
-
 def _runs_cpu_kernels(gm: fx.GraphModule) -> bool:
     targets = {n.target for n in gm.graph.nodes if n.op == "call_function"}
     on_cpu = all(t.device.type == "cpu" for t in gm.parameters()) and all(t.device.type == "cpu" for t in gm.buffers())

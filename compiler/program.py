@@ -284,14 +284,13 @@ class DecoderProgram:
 
     def compile_steps(self, kv_cache: list[tuple[torch.Tensor, ...]], table_width: int,
                       buckets: tuple[int, ...] | None = None, progress: Callable[[str], None] | None = None,
-                      background: bool = False, bucket_linears: str | dict[int, str] = "inductor") -> None:
+                      background: bool = False) -> None:
         """Compile the step graphs of ``options.lowering`` for this cache (nothing for "eager").
 
         ``table_width``: the widest block table a step may carry (bucket graphs are specialized
         to it). ``buckets``: the static graphs' stream sizes; by default measured on this machine
         (:func:`~specgraph.compiler.step_plan.choose_buckets`, its reason in ``self.step_plan``; the
-        outcome is kept per machine, and later builds reuse it);
-        given buckets run their linears as ``bucket_linears`` ("inductor" or "gemv", or one per bucket).
+        outcome is kept per machine, and later builds reuse it).
         Once compiled, every call runs generated code (see :mod:`specgraph.compiler.inductor`).
         ``progress(stage)`` is told which graph is being compiled. With ``background``, a thread
         compiles while calls keep running the eager lowering; they switch to the generated code
@@ -300,12 +299,12 @@ class DecoderProgram:
         if self.lowering == "eager" or self._steps is not None or self._compiling is not None:
             return
         if not background:
-            self._steps = self._build_steps(kv_cache, table_width, buckets, progress, bucket_linears)
+            self._steps = self._build_steps(kv_cache, table_width, buckets, progress)
             return
 
         def build() -> None:
             try:
-                self._steps = self._build_steps(kv_cache, table_width, buckets, progress, bucket_linears)
+                self._steps = self._build_steps(kv_cache, table_width, buckets, progress)
             except Exception as e:  # keep serving with the eager lowering, say why
                 self.step_error = f"{type(e).__name__}: {e}"
                 warnings.warn(f"specgraph: compiling the step graphs failed, staying on the eager lowering "
@@ -321,7 +320,7 @@ class DecoderProgram:
             self._compiling.join(timeout)
         return self._steps is not None
 
-    def _build_steps(self, kv_cache, table_width: int, buckets, progress, bucket_linears):
+    def _build_steps(self, kv_cache, table_width: int, buckets, progress):
         from .inductor import StepGraphs
         from .step_plan import StepPlan, save_plan, starting_plan
 
@@ -330,10 +329,10 @@ class DecoderProgram:
         panel = (self.device.type == "cpu" and self.lowering == "inductor" and options.prepack_weights
                  and cpu_linear_kind() == "panel")
         plan, cached = starting_plan(self.gm, self.device, self.cache_key, self.lowering, table_width, buckets,
-                                     bucket_linears, timed, panel)
+                                     timed, panel)
         self.step_plan = plan.reason
         steps = StepGraphs(self.gm, self._inputs, self.lowering, plan.buckets, dump_dir=options.dump_dir,
-                           bucket_linears=plan.bucket_linears, cuda_graphs=options.cuda_graphs, panel_linears=panel)
+                           cuda_graphs=options.cuda_graphs, panel_linears=panel)
 
         def run_padding_step(shape: StepShape) -> None:
             empty = AttentionMetadata.build([], self.page_size, [])
@@ -351,8 +350,7 @@ class DecoderProgram:
                 self.step_plan += "; " + steps.measure_padding(run_padding_step)
                 if buckets is None:
                     save_plan(self.cache_key, self.lowering, table_width, panel,
-                              StepPlan(steps.buckets, {b: steps.bucket_linears[b] for b in steps.buckets},
-                                       self.step_plan, steps.pad_tokens))
+                              StepPlan(steps.buckets, self.step_plan, steps.pad_tokens))
         return steps
 
     @property

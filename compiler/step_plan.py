@@ -1,4 +1,4 @@
-"""Which step graphs to compile on this machine: the static buckets and how their linears run.
+"""Which step graphs to compile on this machine: the static buckets and the dynamic graph's padding.
 
 :func:`choose_buckets` decides from timings of the model's own weights (see its docstring);
 :meth:`~.inductor.StepGraphs.keep_faster_buckets` then times whole steps and drops the wide
@@ -27,12 +27,10 @@ CUDA_BUCKETS = (1, 8)
 
 @dataclass(frozen=True)
 class StepPlan:
-    """Which graphs to compile: static ``buckets`` (the linears of bucket ``b`` run
-    ``bucket_linears[b]``: Inductor's own choice, or specgraph's C++ ``gemv``) and the dynamic
-    graph, with its padding once measured; ``reason`` says why."""
+    """Which graphs to compile: static ``buckets`` and the dynamic graph, with its padding once
+    measured; ``reason`` says why."""
 
     buckets: tuple[int, ...]
-    bucket_linears: dict[int, str]  # bucket -> "inductor", "gemv" or "panel" (every graph's: StepGraphs)
     reason: str
     #: dynamic-graph steps of n tokens run padded to pad_tokens[n] (StepGraphs.measure_padding); None:
     #: not measured yet
@@ -51,34 +49,27 @@ def choose_buckets(gm: fx.GraphModule, device: torch.device, panel_linears: bool
     """The step graphs to compile, decided by measurement on this machine.
 
     On CUDA: :data:`CUDA_BUCKETS`. With ``panel_linears`` (every graph's float32 linears run specgraph's
-    batch-invariant panel kernel, ``StepGraphs(panel_linears=True)``), there is no kernel to choose:
-    static graphs for 1 and :data:`WIDE_BUCKETS` tokens are compiled (their C++ wrappers save host time),
-    and :meth:`StepGraphs.keep_faster_buckets` keeps the wide ones where whole steps win. Otherwise On CPU the choice is how a decode's linears run, which is most
-    of a batch-1 step. Inductor runs the linears of a graph with a static row count through MKL's
-    packed GEMM and those of a graph with a symbolic row count through oneDNN's; specgraph also has
-    a C++ few-row kernel (``specgraph_cpu::gemv``, the weights streamed once for up to 8 rows). Which
-    wins differs between CPUs and even with the load (on an AMD EPYC with AVX2: oneDNN 8.2 ms, MKL
-    10.7 ms over 160 MiB when quiet), so this times the three streaming the graph's own weights
-    (more bytes than any CPU cache: timing one small matrix again and again measures the cache, and
-    once picked a library 1.35x slower on the real step) and compiles a static graph for 1-token
-    steps only when MKL or the C++ kernel beats oneDNN at 2 rows (the dynamic graph pads a decode
-    to 2 rows; a memory-bound GEMV costs about the same for 1 and 2). Beside it, each of 4 and 8
-    rows where MKL or the C++ kernel comes within :data:`WIDE_CANDIDATE_SLACK` of oneDNN gets a
-    static graph for steps up to that many tokens, with the faster of the two: batched decodes and
-    verifies; once compiled, :meth:`StepGraphs.keep_faster_buckets` keeps it only if a whole step
-    beats the dynamic graph's. Each bucket
-    picks its own linears (on an AVX-512 Xeon MKL won 1 row and the C++ kernel 4 and 8, by 16%
-    over oneDNN). A verify of k drafts costs a ``k + 1``-token step, so these graphs decide what
-    speculation costs (on an AVX-512 EPYC a 2-token verify ran the dynamic graph at 1.7x a decode)."""
+    batch-invariant panel kernel: ``StepGraphs(panel_linears=True)``, the default where the C++ kernels
+    are built) no kernel is to be chosen: static graphs for 1 and :data:`WIDE_BUCKETS` tokens are
+    compiled (their C++ wrappers save host time) and :meth:`StepGraphs.keep_faster_buckets` keeps the
+    wide ones where whole steps win.
+
+    Otherwise the linears are Inductor's: MKL's packed GEMM in a graph with a static row count,
+    oneDNN's in the dynamic graph. Which wins differs between CPUs and even with the load (on an AMD
+    EPYC with AVX2: oneDNN 8.2 ms, MKL 10.7 ms over 160 MiB when quiet), so this times both
+    streaming the graph's own weights (more bytes than any CPU cache: timing one small matrix again
+    and again measures the cache) and compiles a static graph for 1-token steps only when MKL beats
+    oneDNN at 2 rows (the dynamic graph pads a decode to 2 rows; a memory-bound GEMV costs about the
+    same for 1 and 2), and beside it one for each of 4 and 8 rows where MKL comes within
+    :data:`WIDE_CANDIDATE_SLACK` of oneDNN (whole steps decide later)."""
     if device.type == "cuda":
-        return StepPlan(CUDA_BUCKETS, dict.fromkeys(CUDA_BUCKETS, "inductor"),
-                        f"CUDA: static graphs for {CUDA_BUCKETS} tokens, the dynamic graph above")
+        return StepPlan(CUDA_BUCKETS, f"CUDA: static graphs for {CUDA_BUCKETS} tokens, the dynamic graph above")
     if panel_linears:
         buckets = (1,) + WIDE_BUCKETS
-        return StepPlan(buckets, dict.fromkeys(buckets, "panel"),
-                        f"panel linears (batch-invariant) at every step size -> static graphs for steps of {buckets} tokens")
+        return StepPlan(buckets, f"panel linears (batch-invariant) at every step size -> static graphs for steps of "
+                                 f"{buckets} tokens")
     if not torch.backends.mkldnn.is_available():
-        return StepPlan((), {}, "CPU without oneDNN: every step runs the dynamic graph")
+        return StepPlan((), "CPU without oneDNN: every step runs the dynamic graph")
     weights, total = [], 0
     for node in gm.graph.nodes:  # the model's own weights, in order, until they exceed any CPU cache
         if node.op == "call_function" and node.target == torch.ops.aten.linear.default and total < _TIMED_BYTES:
@@ -99,35 +90,21 @@ def choose_buckets(gm: fx.GraphModule, device: torch.device, panel_linears: bool
                 from ..kernels import cpu_kernels
 
                 reason += "; " + cpu_kernels.choose_bf16_products(bf16)
-            return StepPlan((1, 8), {1: "inductor", 8: "inductor"}, reason)
-        return StepPlan((), {}, "no float32 linears: every step runs the dynamic graph")
+            return StepPlan((1, 8), reason)
+        return StepPlan((), "no float32 linears: every step runs the dynamic graph")
     times = _time_linears(weights)
     line = (f"few-row GEMMs over {total / 2**20:.0f} MiB of the model's weights: "
             + ", ".join(f"{name} {t * 1e3:.2f} ms" for name, t in times.items()))
-    linears = {}
+    buckets = []
     for rows in (1,) + WIDE_BUCKETS:  # a wide graph only beside a 1-token one: decodes must not pad to it
-        kind = _static_linears(times, rows, 0.95 if rows == 1 else WIDE_CANDIDATE_SLACK)
-        if kind is None or (rows > 1 and 1 not in linears):
+        within = 0.95 if rows == 1 else WIDE_CANDIDATE_SLACK
+        mkl = times.get(f"MKL ({rows} row{'s' if rows > 1 else ''})")
+        if mkl is None or mkl >= within * times[f"oneDNN ({max(rows, 2)} rows)"] or (rows > 1 and 1 not in buckets):
             continue
-        linears[rows] = kind
-    if not linears:
-        return StepPlan((), {}, line + " -> decodes run the dynamic graph (oneDNN)")
-    names = {"gemv": "specgraph gemv", "inductor": "MKL"}
-    return StepPlan(tuple(linears), linears, line + " -> static graphs for steps of up to " + ", ".join(
-        f"{rows} ({names[kind]})" for rows, kind in linears.items()) + " tokens")
-
-
-def _static_linears(times: dict[str, float], rows: int, within: float) -> str | None:
-    """The linears a static graph of ``rows`` tokens should run: ``"gemv"`` or ``"inductor"`` (MKL's
-    packed GEMM), whichever was faster, if it took under ``within`` times oneDNN's (the dynamic
-    graph's) at that row count (2 for one token: the dynamic graph pads to 2); None otherwise."""
-    unit = "row" if rows == 1 else "rows"
-    candidates = {kind: times[name] for kind, name in (("gemv", f"specgraph gemv ({rows} {unit})"),
-                                                       ("inductor", f"MKL ({rows} {unit})")) if name in times}
-    if not candidates:
-        return None
-    kind = min(candidates, key=candidates.get)
-    return kind if candidates[kind] < within * times[f"oneDNN ({max(rows, 2)} rows)"] else None
+        buckets.append(rows)
+    if not buckets:
+        return StepPlan((), line + " -> decodes run the dynamic graph (oneDNN)")
+    return StepPlan(tuple(buckets), line + f" -> static graphs (MKL) for steps of up to {tuple(buckets)} tokens")
 
 
 def _bf16_weights(gm: fx.GraphModule, quantized: list[fx.Node]) -> list[torch.Tensor]:
@@ -143,10 +120,8 @@ def _bf16_weights(gm: fx.GraphModule, quantized: list[fx.Node]) -> list[torch.Te
 
 
 def _time_linears(weights: list[torch.Tensor], repeats: int = 7) -> dict[str, float]:
-    """Seconds for one pass over ``weights`` per candidate, each the best of ``repeats``, the
-    candidates interleaved so that load swings hit all of them."""
-    from ..kernels import cpu_kernels
-
+    """Seconds for one pass over ``weights`` with oneDNN (2, 4, 8 rows) and MKL's packed GEMM (1, 4, 8),
+    each the best of ``repeats``, interleaved so that load swings hit all of them."""
     x = {rows: {w.shape[1]: torch.randn(rows, w.shape[1]) for w in weights} for rows in (1, 2) + WIDE_BUCKETS}
     dnn = [(w, torch.ops.mkldnn._reorder_linear_weight(w, 2)) for w in weights]
 
@@ -161,11 +136,6 @@ def _time_linears(weights: list[torch.Tensor], repeats: int = 7) -> dict[str, fl
             runs[f"MKL ({rows} row{'s' if rows > 1 else ''})"] = \
                 lambda rows=rows, mkl=mkl: [torch.ops.mkl._mkl_linear(x[rows][w.shape[1]], p, w, None, rows)
                                             for w, p in mkl]
-    gemv = cpu_kernels.native_op("gemv")
-    if gemv is not None:
-        runs["specgraph gemv (1 row)"] = lambda: [gemv(x[1][w.shape[1]], w, None) for w in weights]
-        for rows in WIDE_BUCKETS:
-            runs[f"specgraph gemv ({rows} rows)"] = lambda rows=rows: [gemv(x[rows][w.shape[1]], w, None) for w in weights]
     best = {name: float("inf") for name in runs}
     with torch.no_grad():
         for fn in runs.values():  # warm-up
@@ -190,8 +160,7 @@ def load_plan(key: str | None, lowering: str, table_width: int, panel_linears: b
     path = measurement_path(key, _plan_name(lowering, table_width, panel_linears))
     data = read_json(path) if path is not None else None
     try:
-        return StepPlan(tuple(int(b) for b in data["buckets"]),
-                        {int(b): str(kind) for b, kind in data["bucket_linears"].items()}, str(data["reason"]),
+        return StepPlan(tuple(int(b) for b in data["buckets"]), str(data["reason"]),
                         {int(n): int(m) for n, m in data["pad_tokens"].items()})
     except (TypeError, KeyError, ValueError, AttributeError):
         return None
@@ -203,19 +172,18 @@ def save_plan(key: str | None, lowering: str, table_width: int, panel_linears: b
 
     path = measurement_path(key, _plan_name(lowering, table_width, panel_linears))
     if path is not None and plan.pad_tokens is not None:
-        write_json(path, dict(buckets=list(plan.buckets), bucket_linears={str(b): k for b, k in plan.bucket_linears.items()},
-                              reason=plan.reason, pad_tokens={str(n): m for n, m in plan.pad_tokens.items()}))
+        write_json(path, dict(buckets=list(plan.buckets), reason=plan.reason,
+                              pad_tokens={str(n): m for n, m in plan.pad_tokens.items()}))
 
 
 def starting_plan(gm: fx.GraphModule, device: torch.device, key: str | None, lowering: str, table_width: int,
-                  buckets, bucket_linears, timed: bool, panel_linears: bool = False) -> tuple[StepPlan, bool]:
+                  buckets, timed: bool, panel_linears: bool = False) -> tuple[StepPlan, bool]:
     """The plan a build compiles, and whether an earlier build measured it (then nothing is timed again):
-    the ``buckets`` given (``bucket_linears``: one kind for all, or per bucket); else, where timings mean
+    the ``buckets`` given; else, where timings mean
     something (``timed``), the plan an earlier build of the program kept on this kind of machine; else
     :func:`choose_buckets`' measurement."""
     if buckets is not None:
-        linears = dict.fromkeys(buckets, bucket_linears) if isinstance(bucket_linears, str) else dict(bucket_linears)
-        return StepPlan(tuple(buckets), linears, f"buckets {buckets} given, linears: {bucket_linears}"), False
+        return StepPlan(tuple(buckets), f"buckets {buckets} given"), False
     cached = load_plan(key, lowering, table_width, panel_linears) if timed else None
     if cached is not None:
         return replace(cached, reason="as measured by an earlier build on this machine: " + cached.reason), True

@@ -24,7 +24,7 @@ static inline float hsum8(__m256 v) {
 #ifdef __AVX512F__
 struct FloatVec {
   using T = __m512;
-  static constexpr int kWidth = 16, kRows = 8, kRegisters = 32;  // floats per vector, rows of x per tile
+  static constexpr int kWidth = 16, kRegisters = 32;  // floats per vector, vector registers
   static inline T zero() { return _mm512_setzero_ps(); }
   static inline T load(const float* p) { return _mm512_loadu_ps(p); }
   static inline T broadcast(const float* p) { return _mm512_set1_ps(*p); }
@@ -38,7 +38,7 @@ struct FloatVec {
 #else
 struct FloatVec {
   using T = __m256;
-  static constexpr int kWidth = 8, kRows = 4, kRegisters = 16;
+  static constexpr int kWidth = 8, kRegisters = 16;
   static inline T zero() { return _mm256_setzero_ps(); }
   static inline T load(const float* p) { return _mm256_loadu_ps(p); }
   static inline T broadcast(const float* p) { return _mm256_broadcast_ss(p); }
@@ -559,120 +559,6 @@ torch::Tensor paged_attention_mixed_short(torch::Tensor q, torch::Tensor k_hot, 
                      query_start_loc, positions, scale, window, softcap, alibi_slopes, tree_mask);
 }
 
-// Few-row linear: y[m, n] = x[m, :] . w[n, :] (+ b[n]) for float32 x [M, K] and w [N, K] (both
-// contiguous), M small (decode and verify steps). Memory-bound: the weights are streamed once
-// whatever M is. Each thread owns a contiguous range of output rows; it walks them a tile of NB
-// weight rows at a time (NB streams in flight, the next tile prefetched while this one is used),
-// and each tile is used by every row of x, G rows at a time from registers (x stays in L1). Over
-// SmolLM2's 538 MB of weights (2 threads, AVX-512 Xeon): 8 rows 25-26 ms, where MKL's packed GEMM
-// took 31-32 and the kernel before this one (one stream per thread, 4 rows per tile) 33-34;
-// 2-4 rows 24 ms, close to the 1-row cost (MKL 20-23, this 22-24). Vector width: AVX-512 where
-// the CPU has it, else AVX2 (16 registers: at most 4 rows of x per tile).
-#ifdef SPECGRAPH_AVX2
-// y[r, n + j] for r < R rows of x and j < NB weight rows from row n; with `prefetch`, the NB rows
-// after these (the next tile) are prefetched, NB cache lines per 16 floats of K: the next tile's
-// span, a little ahead of this one's position
-template <int R, int NB>
-static inline void gemv_tile(const float* x, const float* w, const float* b, float* y, int64_t K, int64_t N,
-                             int64_t n, bool prefetch) {
-  constexpr int W = FloatVec::kWidth;
-  constexpr int64_t kAhead = 256;  // floats past the next tile's matching position
-  typename FloatVec::T a[R][NB];
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < NB; ++j) a[r][j] = FloatVec::zero();
-  const float* wr = w + n * K;
-  const float* next = wr + NB * K;
-  int64_t k = 0;
-  for (; k + W <= K; k += W) {
-    typename FloatVec::T wv[NB];
-    for (int j = 0; j < NB; ++j) wv[j] = FloatVec::load(wr + j * K + k);
-    if (prefetch && k % 16 == 0)  // (AVX2: every other step)
-      for (int j = 0; j < NB; ++j)
-        _mm_prefetch(reinterpret_cast<const char*>(next + k * NB + j * 16 + kAhead), _MM_HINT_T0);
-    for (int r = 0; r < R; ++r) {
-      const auto xv = FloatVec::load(x + r * K + k);
-      for (int j = 0; j < NB; ++j) a[r][j] = FloatVec::fma(wv[j], xv, a[r][j]);
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < NB; ++j) {
-      float acc = FloatVec::sum(a[r][j]);
-      for (int64_t kk = k; kk < K; ++kk) acc += x[r * K + kk] * wr[j * K + kk];
-      y[r * N + n + j] = acc + (b ? b[n + j] : 0.f);
-    }
-}
-
-// every row of x against NB weight rows from n: kRows rows at a time (the weights from L1 after the first)
-template <int NB>
-static inline void gemv_rows(const float* x, const float* w, const float* b, float* y, int64_t M, int64_t K,
-                             int64_t N, int64_t n, bool prefetch) {
-  constexpr int G = FloatVec::kRows;
-  for (int64_t m = 0; m < M; m += G, prefetch = false) {
-    const float* xm = x + m * K;
-    float* ym = y + m * N;
-    switch (std::min<int64_t>(G, M - m)) {
-      case 1: gemv_tile<1, NB>(xm, w, b, ym, K, N, n, prefetch); break;
-      case 2: gemv_tile<2, NB>(xm, w, b, ym, K, N, n, prefetch); break;
-      case 3: gemv_tile<3, NB>(xm, w, b, ym, K, N, n, prefetch); break;
-#ifdef __AVX512F__
-      case 4: gemv_tile<4, NB>(xm, w, b, ym, K, N, n, prefetch); break;
-      case 5: gemv_tile<5, NB>(xm, w, b, ym, K, N, n, prefetch); break;
-      case 6: gemv_tile<6, NB>(xm, w, b, ym, K, N, n, prefetch); break;
-      case 7: gemv_tile<7, NB>(xm, w, b, ym, K, N, n, prefetch); break;
-      default: gemv_tile<8, NB>(xm, w, b, ym, K, N, n, prefetch); break;
-#else
-      default: gemv_tile<4, NB>(xm, w, b, ym, K, N, n, prefetch); break;
-#endif
-    }
-  }
-}
-
-// output rows [n0, n1): tiles of NB weight rows (4 where R x 4 accumulators, 4 weight vectors and one x
-// vector fit the registers, else 2), the range's last rows one at a time
-template <int NB>
-static void gemv_range(const float* x, const float* w, const float* b, float* y, int64_t M, int64_t K, int64_t N,
-                       int64_t n0, int64_t n1) {
-  int64_t n = n0;
-  for (; n + NB <= n1; n += NB) gemv_rows<NB>(x, w, b, y, M, K, N, n, true);
-  for (; n < n1; ++n) gemv_rows<1>(x, w, b, y, M, K, N, n, false);
-}
-#else
-static void gemv_range(const float* x, const float* w, const float* b, float* y, int64_t M, int64_t K, int64_t N,
-                       int64_t n0, int64_t n1) {
-  for (int64_t n = n0; n < n1; ++n)
-    for (int64_t m = 0; m < M; ++m) y[m * N + n] = dot_f32(x + m * K, w + n * K, K) + (b ? b[n] : 0.f);
-}
-#endif
-
-torch::Tensor gemv(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(x.scalar_type() == torch::kFloat && w.scalar_type() == torch::kFloat && w.dim() == 2 &&
-              x.size(-1) == w.size(1), "gemv: float32 x [..., K] and w [N, K]");
-  auto xs = x.reshape({-1, x.size(-1)}).contiguous();
-  auto wc = w.contiguous();
-  const int64_t M = xs.size(0), K = xs.size(1), N = wc.size(0);
-  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
-  out_shape.back() = N;
-  auto y = torch::empty({M, N}, x.options());
-  torch::Tensor bc = bias.has_value() ? bias->contiguous() : torch::Tensor();
-  const float* bp = bias.has_value() ? bc.data_ptr<float>() : nullptr;
-  const float* xp = xs.data_ptr<float>();
-  const float* wp = wc.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  const int64_t T = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), N / 64));
-  at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t n0 = N * t / T, n1 = N * (t + 1) / T;
-#ifdef SPECGRAPH_AVX2
-      if (std::min<int64_t>(M, FloatVec::kRows) * 4 + 4 + 1 <= FloatVec::kRegisters) gemv_range<4>(xp, wp, bp, yp, M, K, N, n0, n1);
-      else gemv_range<2>(xp, wp, bp, yp, M, K, N, n0, n1);
-#else
-      gemv_range(xp, wp, bp, yp, M, K, N, n0, n1);
-#endif
-    }
-  });
-  return y.view(out_shape);
-}
-
 // Native ops for compiled graphs: no Python on the path when the C++ kernels apply; otherwise the
 // specgraph:: custom op (the kernel registry) runs the call. Same arguments and results.
 // The variant and the tree mask run in the kernel too; an invalid one goes to the dispatcher, whose
@@ -791,7 +677,6 @@ void native_cache_write(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache,
 }
 
 TORCH_LIBRARY(specgraph_cpu, m) {
-  m.def("gemv(Tensor x, Tensor w, Tensor? bias) -> Tensor");
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
         "Tensor query_start_loc, Tensor positions, float scale, int window=0, float softcap=0.0, "
         "Tensor? alibi_slopes=None, Tensor? tree_mask=None) -> Tensor");
@@ -808,7 +693,6 @@ TORCH_LIBRARY(specgraph_cpu, m) {
 TORCH_LIBRARY_IMPL(specgraph_cpu, CPU, m) {
   m.impl("paged_attention", &native_paged_attention);
   m.impl("cache_write", &native_cache_write);
-  m.impl("gemv", &gemv);
   m.impl("paged_attention_fp8", &native_quant_paged_attention<false>);
   m.impl("paged_attention_int4", &native_quant_paged_attention<true>);
 }

@@ -40,7 +40,7 @@ with that test (which validates the variant with ``check_variant``). The native 
 test, variant included, and hand every other call, or an invalid one, to the ``specgraph::`` op. The C++ source is compiled once
 per machine by ``torch.utils.cpp_extension.load_inline`` (cached in ``TORCH_EXTENSIONS_DIR``;
 20-60 s on 2 cores the first time), with ``-fopenmp``: ATen's ``at::parallel_for`` is OpenMP code
-inlined from its headers, and without the flag every kernel here ran on one thread (the few-row
+inlined from its headers, and without the flag every kernel here ran on one thread (a few-row
 linear streamed SmolLM2's weights at 14 GB/s on 2 cores; with it, 21-27 GB/s). If it cannot be built the torch path runs and ``build_error()``
 says why. The pure-torch reference it is tested against is ``paged_attention.paged_attention_ref``.
 """
@@ -66,9 +66,8 @@ _SOURCES = ("cpu_kernels.cpp", "cpu_quant_linear.cpp", "cpu_quant_cache.cpp", "c
 CPP_SOURCE = "\n".join((Path(__file__).with_name(name)).read_text() for name in _SOURCES)
 #: native ops (``torch.ops.specgraph_cpu.<name>``): the twins of specgraph ops (the same contract, the
 #: C++ kernel straight from the dispatcher where it applies, else the specgraph op itself), and
-#: ``gemv``, the few-row linear that decode graphs may use instead of a GEMM library, and ``panel_linear``
-#: (over ``pack_panels`` weights), the batch-invariant linear (``panel_linear.py``)
-NATIVE_OPS = ("paged_attention", "cache_write", "gemv", "pack_panels", "panel_linear", "quant_linear", "paged_attention_fp8", "paged_attention_int4",
+#: ``panel_linear`` (over ``pack_panels`` weights), the batch-invariant linear (``panel_linear.py``)
+NATIVE_OPS = ("paged_attention", "cache_write", "pack_panels", "panel_linear", "quant_linear", "paged_attention_fp8", "paged_attention_int4",
               "cache_write_fp8", "cache_write_int4")
 
 _EXTENSION = "specgraph_cpu_kernels"
@@ -122,10 +121,6 @@ def _register_native_fakes() -> None:
     @torch.library.register_fake("specgraph_cpu::cache_write")
     def _(k, v, k_cache, v_cache, slot_mapping):
         return None
-
-    @torch.library.register_fake("specgraph_cpu::gemv")
-    def _(x, w, bias):
-        return x.new_empty((*x.shape[:-1], w.shape[0]))
 
     @torch.library.register_fake("specgraph_cpu::pack_panels")
     def _(w):

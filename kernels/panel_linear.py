@@ -11,12 +11,13 @@ sequence's prefill chunk computed them. (A GEMM library blocks ``k`` by the row 
 results part from row count to row count in the last bits.)
 
 **Speed** (SmolLM2's 211 linears, 513 MiB, 2 threads, an AMD EPYC with AVX-512; best of 5):
-1 row 19.3 ms (oneDNN 28.7, specgraph's older ``gemv`` 20.2), 8 rows 20.9 (27.8, 30.6), 16 rows
-30.7 (34.8, 45.9), 64 rows 96 (94), 256 rows 350 (342). ``benchmarks/bench_gemm.py`` compares
+1 row 19.3 ms (oneDNN 28.7, the few-row kernel it replaced 20.2), 8 rows 20.9 (27.8, 30.6), 16
+rows 30.7 (34.8, 45.9), 64 rows 96 (94), 256 rows 350 (342). ``benchmarks/bench_gemm.py`` compares
 them on the model's shapes.
 
 :func:`panel_linear_ref` is the pure-torch reference; :func:`packed` packs a weight once per
-process (the eager lowering and the step graphs share it).
+process, kept while the weight lives (the eager lowering, the step graphs and every Engine built
+on the same model share it).
 """
 from __future__ import annotations
 

@@ -131,15 +131,15 @@ def test_a_second_build_on_this_machine_runs_the_plan_the_first_measured(tmp_pat
 _PY_CPU = """
     cpp_fused_norm_0(arg0_1, buf0)
     # Topologically Sorted Source Nodes: [embedding, rsqrt, linear], Original ATen: [aten.embedding]
-    buf1 = torch.ops.specgraph_cpu.gemv.default(buf0, _frozen_param1, None)
+    buf1 = torch.ops.specgraph_cpu.panel_linear.default(buf0, _frozen_param1, None, 960)
 """
 _CPP_WRAPPER = """
 extern "C"  void  cpp_fused_norm_0(const int64_t* in_ptr0,
 extern "C"  void  cpp_fused_unused_9(const float* in_ptr0,
     cpp_fused_norm_0((const int64_t*)(arg0_1.data_ptr()), (float*)(buf0.data_ptr()));
     // Topologically Sorted Source Nodes: [embedding, rsqrt, linear], Original ATen: [aten.embedding]
-            aoti_torch_call_dispatcher("specgraph_cpu::gemv", "", dispatch_vars.data())
-    assert_size_stride(buf1, {1L, 960L}, {960L, 1L}, "torch.ops.specgraph_cpu.gemv.default");
+            aoti_torch_call_dispatcher("specgraph_cpu::panel_linear", "", dispatch_vars.data())
+    assert_size_stride(buf1, {1L, 960L}, {960L, 1L}, "torch.ops.specgraph_cpu.panel_linear.default");
 """
 _TRITON = """
     # Topologically Sorted Source Nodes: [embedding, rsqrt], Original ATen: [aten.embedding]
@@ -149,8 +149,8 @@ _TRITON = """
 """
 
 
-@pytest.mark.parametrize("code, kernel, extern", [(_PY_CPU, "cpp_fused_norm_0", "torch.ops.specgraph_cpu.gemv.default"),
-                                                  (_CPP_WRAPPER, "cpp_fused_norm_0", "specgraph_cpu.gemv"),
+@pytest.mark.parametrize("code, kernel, extern", [(_PY_CPU, "cpp_fused_norm_0", "torch.ops.specgraph_cpu.panel_linear.default"),
+                                                  (_CPP_WRAPPER, "cpp_fused_norm_0", "specgraph_cpu.panel_linear"),
                                                   (_TRITON, "triton_per_fused_norm_0", "extern_kernels.mm")])
 def test_kernel_index_reads_each_wrapper_style(code, kernel, extern):
     """A CPU kernel is listed under the next comment (Inductor comments its extern call after it), a
@@ -192,17 +192,20 @@ def test_generated_code_verifies_token_trees(lowering):
     assert engine.stats["tree_nodes_verified"] > 0 and engine.stats["recompiles"] == 0
 
 
-@pytest.mark.parametrize("linears", ["inductor", "gemv", {1: "inductor", 4: "gemv"}], ids=["inductor", "gemv", "mixed"])
-def test_static_buckets_and_the_dynamic_graph_equal_the_eager_program(linears):
+@pytest.mark.parametrize("panel", [True, False], ids=["panel", "inductor"])
+def test_static_buckets_and_the_dynamic_graph_equal_the_eager_program(panel):
     """Steps of 1 token (bucket 1), 3 tokens (padded to bucket 4) and 9 tokens (dynamic graph), over two
-    caches filled identically: the compiled program's logits equal the eager program's, whether the
-    buckets' linears are Inductor's or the C++ few-row kernel."""
+    caches filled identically: the compiled program's logits equal the eager program's, whether every
+    graph's linears run the panel kernel (the default) or Inductor's own (``prepack_weights=False``)."""
     model = make_family("sdpa_gqa")
-    compiled = compile_decoder(model, BackendOptions(page_size=8, lowering="inductor", self_check=False))
+    compiled = compile_decoder(model, BackendOptions(page_size=8, lowering="inductor", self_check=False,
+                                                     prepack_weights=panel))
     eager = compile_decoder(model, BackendOptions(page_size=8, lowering="eager", self_check=False))
     cache_c, cache_e = compiled.new_kv_cache(12), eager.new_kv_cache(12)
-    compiled.compile_steps(cache_c, table_width=6, buckets=(1, 4), bucket_linears=linears)
-    assert compiled.compiles == 3
+    compiled.compile_steps(cache_c, table_width=6, buckets=(1, 4))
+    assert compiled.compiles == 3 and compiled._steps.panel_linears == panel
+    linear_ops = {n.target for n in compiled._steps._base.graph.nodes if n.op == "call_function"}
+    assert (torch.ops.specgraph_cpu.panel_linear.default in linear_ops) == panel
     compiled._steps.pad_tokens = {9: 11}  # as if measured: the 9-token steps run padded to 11 tokens
     g = torch.Generator().manual_seed(0)
     steps = [[([1, 2], 0, 9)], [([1, 2], 9, 1)], [([1, 2], 10, 1), ([3], 0, 2)], [([1, 2, 4], 11, 6), ([3], 2, 3)]]
@@ -215,28 +218,21 @@ def test_static_buckets_and_the_dynamic_graph_equal_the_eager_program(linears):
     assert compiled.compiles == 3
 
 
-def _timings(gemv_1, onednn_2, gemv_4, onednn_4, gemv_8, onednn_8, mkl_1=10.0, mkl_8=20.0):
+def _timings(onednn_2, onednn_4, onednn_8, mkl_1, mkl_4, mkl_8):
     return {"oneDNN (2 rows)": onednn_2, "oneDNN (4 rows)": onednn_4, "oneDNN (8 rows)": onednn_8,
-            "MKL (1 row)": mkl_1, "MKL (4 rows)": 20.0, "MKL (8 rows)": mkl_8, "specgraph gemv (1 row)": gemv_1,
-            "specgraph gemv (4 rows)": gemv_4, "specgraph gemv (8 rows)": gemv_8}
+            "MKL (1 row)": mkl_1, "MKL (4 rows)": mkl_4, "MKL (8 rows)": mkl_8}
 
 
-G, M = "gemv", "inductor"
-
-
-@pytest.mark.parametrize("times, linears", [
-    (_timings(6, 9, 7, 9, 9.5, 8.6), {1: G, 4: G, 8: G}),  # an AVX-512 EPYC: gemv 10% behind at 8 rows, a candidate
-    (_timings(6, 9, 7, 9, 7, 9), {1: G, 4: G, 8: G}),
-    (_timings(6, 9, 12, 9, 12, 8.6), {1: G}),  # wide GEMMs 1.33x and 1.4x oneDNN's: not worth compiling
-    (_timings(9, 8, 5, 9, 5, 9), {}),  # oneDNN wins a decode: the dynamic graph serves everything
-    (_timings(8.9, 10.8, 9.0, 10.6, 10.5, 12.6, mkl_1=8.6), {1: M, 4: G, 8: G}),  # the AVX-512 Xeon: MKL at 1 row
-    (_timings(8.9, 10.8, 9.0, 10.6, 10.5, 12.6, mkl_1=8.6, mkl_8=9.9), {1: M, 4: G, 8: M}),
-    (_timings(9, 8, 5, 9, 5, 9, mkl_1=9.0), {}),  # no 1-token graph: a decode must not pad to a wide one
+@pytest.mark.parametrize("times, buckets", [
+    (_timings(10.8, 10.6, 12.6, 8.6, 9.0, 9.9), (1, 4, 8)),  # the AVX-512 Xeon: MKL ahead at every width
+    (_timings(9, 9, 8.6, 6, 7, 11), (1, 4)),  # MKL at 8 rows 1.28x oneDNN's: not worth compiling
+    (_timings(8, 9, 9, 9, 5, 5), ()),  # oneDNN wins a decode: the dynamic graph serves everything
+    (_timings(9, 9, 9, 8.7, 5, 5), ()),  # MKL 3% ahead at 1 row is not 5%: no graph, so no wide one
 ])
-def test_step_graphs_follow_the_measured_linears(times, linears, monkeypatch):
-    """The static step graphs come from the timings: one for 1 token when MKL or the C++ kernel
-    beats oneDNN's 2-row GEMM by 5%, and beside it a candidate for each wider step where one of
-    them comes within 1.25x of oneDNN (whole steps decide later), each with the faster of the two."""
+def test_step_graphs_follow_the_measured_linears(times, buckets, monkeypatch):
+    """Without the panel kernel the static step graphs come from the timings: one for 1 token when MKL's
+    packed GEMM beats oneDNN's 2-row GEMM by 5%, and beside it a candidate for each wider step where MKL
+    comes within 1.25x of oneDNN (whole steps decide later); with it, 1, 4 and 8 tokens, untimed."""
     from specgraph.compiler import step_plan
 
     class Linear(torch.nn.Module):
@@ -249,7 +245,9 @@ def test_step_graphs_follow_the_measured_linears(times, linears, monkeypatch):
 
     monkeypatch.setattr(step_plan, "_time_linears", lambda weights: times)
     plan = step_plan.choose_buckets(torch.fx.symbolic_trace(Linear()), torch.device("cpu"))
-    assert plan.buckets == tuple(linears) and plan.bucket_linears == linears, plan.reason
+    assert plan.buckets == buckets, plan.reason
+    monkeypatch.setattr(step_plan, "_time_linears", None)
+    assert step_plan.choose_buckets(torch.fx.symbolic_trace(Linear()), torch.device("cpu"), True).buckets == (1, 4, 8)
 
 
 def test_dynamic_steps_pad_to_the_cheapest_measured_size():

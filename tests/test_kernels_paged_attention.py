@@ -380,21 +380,6 @@ def test_native_op_runs_the_cpp_kernel_or_falls_back_to_the_registry(case):
     assert select("paged_attention", *b.args()).name == ("reference" if case == "bf16" else "cpp")
 
 
-@settings(max_examples=30, deadline=None)
-@given(rows=st.integers(1, 19), k=st.integers(1, 300), n=st.integers(1, 200), bias=st.booleans(), lead=st.booleans())
-def test_cpp_gemv_matches_linear(rows, k, n, bias, lead):
-    """``specgraph_cpu::gemv`` (the few-row linear decode graphs may use) == ``F.linear``: any row
-    count (tiles of up to 8 rows of x with AVX-512, 4 with AVX2, and a remainder; 2 or 4 weight rows
-    per tile), a weight row count per thread that leaves a partial tile, K not a multiple of the
-    vector width, leading dims, bias."""
-    _cpp()
-    g = torch.Generator().manual_seed(rows * 1000 + k)
-    x = torch.randn((1, rows, k) if lead else (rows, k), generator=g)
-    w = torch.randn(n, k, generator=g)
-    b = torch.randn(n, generator=g) if bias else None
-    torch.testing.assert_close(torch.ops.specgraph_cpu.gemv(x, w, b), torch.nn.functional.linear(x, w, b),
-                               rtol=1e-5, atol=1e-4)
-
 
 def test_cpp_cpu_kernel_rejects_a_block_outside_the_cache():
     cpu = _cpp()
