@@ -261,6 +261,11 @@ class SpeculationController:
         # Walk the stream sizes in that order and keep the best worth per second seen.
         best_rate, best = -1.0, list(ks)
         extra = 0
+        # Stop once no larger plan can win: none is worth more than taking every draft (worth never falls
+        # as tokens grow) or costs less than the cheapest larger stream (drafting counted at today's
+        # longest draft, which only grows). On chat at batch 4 that ends the walk at the plain plan.
+        ceiling = worth([t + sum(c[k:]) for t, c, k in zip(tokens, curves, ks)])
+        cheapest = self._cheapest_from(base, sum(caps) - sum(ks))
         while True:
             seconds = self._plan_seconds(base + extra, ks, per_position)
             rate = worth(tokens) / seconds if seconds > 0 else float("inf")
@@ -268,6 +273,9 @@ class SpeculationController:
                 best_rate, best = rate, list(ks)
             gains = [(curves[i][k], i) for i, (k, cap) in enumerate(zip(ks, caps)) if k < cap]
             if not gains:
+                break
+            floor_seconds = cheapest[extra + 1] + per_position * max(ks, default=0)
+            if floor_seconds > 0 and ceiling / floor_seconds <= best_rate * (1 + 1e-9):
                 break
             gain, i = max(gains)
             ks[i] += 1
@@ -294,6 +302,14 @@ class SpeculationController:
                 ks[i] = min(cap, self.probe_length)  # re-probe a sequence speculation was turned off for
                 self.probes.add(request_ids[i])
         return ks
+
+    def _cheapest_from(self, base: int, extra: int) -> list[float]:
+        """``out[e]``: the least :meth:`_plan_seconds` reads a forward of ``base + e'`` tokens to cost over
+        ``e' >= e`` (up to ``base + extra``), drafting aside."""
+        out = [self.forward_cost.optimistic(base + e) for e in range(extra + 1)] + [float("inf")]
+        for e in range(extra - 1, -1, -1):
+            out[e] = min(out[e], out[e + 1])
+        return out
 
     def _plan_seconds(self, stream: int, lengths: Sequence[int], per_position: float) -> float:
         """What planning reads a step of ``stream`` tokens with these draft lengths to cost."""

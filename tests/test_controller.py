@@ -459,3 +459,38 @@ def test_the_forward_cost_table_is_measured_once_per_machine(tmp_path, monkeypat
     second = specgraph.Engine(model, lowering="eager", num_blocks=64, page_size=8, draft="ngram")
     assert len(measured) == 1 and list((tmp_path / "measurements").glob("*forward-cost*.json"))
     assert second.controller.forward_cost.as_dict() == pytest.approx(first.controller.forward_cost.as_dict())
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_the_walk_stops_early_only_where_no_larger_plan_can_win(data):
+    """``plan`` ends its walk over stream sizes once no larger plan can beat the best so far (worth never
+    exceeds taking every draft, cost never below the cheapest larger stream): the lengths and the rate it
+    chooses are those of the whole walk, for any acceptance, cost table, floors, draining or not."""
+    max_drafts = data.draw(st.integers(1, 6))
+    sizes = sorted(data.draw(st.sets(st.integers(2, 40), min_size=1, max_size=5)))
+    seconds = sorted(data.draw(st.lists(st.floats(0.5, 5.0), min_size=len(sizes), max_size=len(sizes))))
+    cost = ForwardCost({1: 0.5, **dict(zip(sizes, seconds))})
+    batch = data.draw(st.integers(1, 5))
+    ids = list(range(batch))
+    caps = [data.draw(st.integers(0, max_drafts)) for _ in ids]
+    floors = [data.draw(st.integers(0, c)) for c in caps]
+    remaining = [data.draw(st.integers(1, 12)) for _ in ids] if data.draw(st.booleans()) else None
+    other = 0 if remaining is not None else data.draw(st.integers(0, 6))
+    per_position = data.draw(st.sampled_from([0.0, 0.01, 0.3]))
+
+    observed = [(i, d, data.draw(st.integers(0, d))) for i in ids for _ in range(data.draw(st.integers(0, 3)))
+                for d in [data.draw(st.integers(1, max_drafts))]]
+
+    def controller() -> SpeculationController:
+        ctl = SpeculationController(max_drafts, cost, probe_budget=None)
+        ctl.draft_seconds_per_position = per_position
+        for i, drafted, accepted in observed:
+            ctl.observe_decode(i, drafted, accepted)
+        return ctl
+
+    pruned, whole = controller(), controller()
+    whole._cheapest_from = lambda base, extra: [0.0] * (extra + 2)  # never stops early
+    args = dict(drafting_cost=data.draw(st.booleans()), floors=floors, probe=False, remaining=remaining)
+    assert pruned.plan(ids, caps, other, **args) == whole.plan(ids, caps, other, **args)
+    assert pruned.last_rate == whole.last_rate
