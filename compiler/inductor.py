@@ -43,7 +43,7 @@ import torch.fx as fx
 from .signature import InputSpec, Role
 from ..kernels.config import use_triton_kernels
 from .dump import Dumper
-from .lowering import bind_native_ops, cpu_linear_kind, prepack_linears
+from .lowering import bind_native_ops, prepack_linears
 from .passes import copy_graph_module
 
 # inputs whose every dim varies from step to step (tokens, sequences, table width)
@@ -132,7 +132,7 @@ class StepGraphs:
     """Compiled step graphs of one decoder program (see module docstring)."""
 
     def __init__(self, gm: fx.GraphModule, inputs: list[InputSpec], lowering: str, buckets: tuple[int, ...],
-                 dump_dir: str | None = None, cuda_graphs: bool = True, panel_linears: bool = True):
+                 dump_dir: str | None = None, cuda_graphs: bool = True, panel_linears: bool = False):
         if lowering not in ("inductor", "triton-interpret"):
             raise ValueError(f"StepGraphs compiles the inductor lowerings; got {lowering!r}")
         self.lowering = lowering
@@ -148,8 +148,9 @@ class StepGraphs:
         self._roles = [inputs[i].role for i in self._keep]
         self._base = _tensor_inputs_only(gm, ids_name, len_name)
         self._on_cpu = all(t.device.type == "cpu" for t in self._base.parameters())
-        #: every graph's float32 linears run the panel kernel (a row's result is the same in each)
-        self.panel_linears = panel_linears and lowering == "inductor" and self._on_cpu and cpu_linear_kind() == "panel"
+        #: every graph's float32 linears run the panel kernel (a row's result is the same in each); the
+        #: caller decides (DecoderProgram: CPU, inductor, prepack_weights and the C++ kernels built)
+        self.panel_linears = panel_linears
         if lowering == "inductor" and self._on_cpu:
             bind_native_ops(self._base)
             if self.panel_linears:
