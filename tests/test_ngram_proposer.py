@@ -32,7 +32,7 @@ def test_is_a_proposer():
     p = NgramProposer()
     assert isinstance(p, Proposer)
     assert p.name == "ngram:3"
-    p.on_verified(0, 3)  # stateless: hooks are no-ops
+    p.on_verified(0, 3)  # a no-op: the next propose indexes the new tokens
     p.release(0)
     # a sampling request: the deterministic proposal ignores params and generator
     request = DraftRequest(0, [1, 2, 1], 3, 2, SamplingParams(temperature=0.8), torch.Generator())
@@ -90,6 +90,25 @@ def test_matches_brute_force(max_ngram, min_ngram):
         tokens = [rng.randrange(4) for _ in range(rng.randrange(0, 25))]
         k = rng.randrange(0, 6)
         assert proposer.lookup(tokens, k) == reference(tokens, k, max_ngram, min_ngram), (tokens, k)
+
+
+@pytest.mark.parametrize("max_ngram, min_ngram", [(1, 1), (3, 1), (4, 2)])
+def test_a_kept_index_drafts_as_a_fresh_scan_while_the_sequence_grows(max_ngram, min_ngram):
+    """The per-request index, extended step by step (one token or an accepted run at a time), drafts what
+    the brute force does on the whole sequence; a sequence that does not continue the indexed one (a
+    reused id) is re-indexed, and ``release`` forgets it."""
+    rng = random.Random(max_ngram * 7 + min_ngram)
+    proposer = NgramProposer(max_ngram=max_ngram, min_ngram=min_ngram)
+    for rid in range(20):
+        tokens = [rng.randrange(4) for _ in range(rng.randrange(0, 6))]
+        for _ in range(30):
+            k = rng.randrange(0, 5)
+            (out,) = proposer.propose([DraftRequest(rid % 3, tokens, num_prompt_tokens=1, k=k)])
+            assert out.token_ids == reference(tokens, k, max_ngram, min_ngram), (tokens, k)
+            tokens = tokens + [rng.randrange(4) for _ in range(rng.randrange(1, 4))]
+        if rid % 2:
+            proposer.release(rid % 3)
+    assert set(proposer._indexes) <= {0, 1, 2}
 
 
 def test_long_context():

@@ -5,20 +5,61 @@ generated text alike), propose the tokens that followed that earlier occurrence.
 costs no model call and works well for code edits, summarisation and retrieval-style
 prompts where the output copies spans of the input.
 
-The search is stateless (the whole sequence is scanned with numpy on every call), so
-``on_verified`` and ``release`` are no-ops: a scan of a few thousand tokens is a few
-tens of microseconds, far below one target forward pass.
+Each request keeps an :class:`NgramIndex` (every n-gram's end positions), extended by the tokens
+committed since its last draft, so a lookup is a few dictionary reads whatever the sequence's
+length: with the adaptive controller the proposer drafts for every decoding sequence on every
+step (its unverified drafts keep the acceptance estimate current), so a whole-sequence scan per
+step was most of what a step that speculates nothing cost beyond plain decoding. ``release``
+drops a request's index.
 """
 
 from __future__ import annotations
-
-import numpy as np
 
 from ..token_tree import TreeBuilder
 from .base import Draft, DraftContext, DraftRequest
 
 MAX_OCCURRENCES = 64  # earlier occurrences of the suffix a tree is built from
 _VALID_SPECS = "'ngram' or 'ngram:N' (N >= 1, the longest n-gram to match)"
+
+
+class NgramIndex:
+    """Where each n-gram (``n <= max_ngram``) of one growing token sequence ends, most recent last.
+
+    Position ``e`` is indexed once the token after it exists (a match must have a continuation), so a
+    sequence of length ``L`` holds the ends ``0..L-2``: its suffix never matches itself. :meth:`sync`
+    extends the index by the tokens appended since the last call, or rebuilds it when the tokens do
+    not continue the indexed ones.
+    """
+
+    def __init__(self, max_ngram: int) -> None:
+        self.max_ngram = max_ngram
+        self.tokens: list[int] = []
+        self._ends: list[dict[tuple[int, ...], list[int]]] = [{} for _ in range(max_ngram)]
+
+    def sync(self, token_ids: list[int]) -> "NgramIndex":
+        """Index ``token_ids``: extended when they continue the indexed tokens, else rebuilt."""
+        done = len(self.tokens)
+        if len(token_ids) < done or token_ids[:done] != self.tokens:
+            self.tokens, self._ends = [], [{} for _ in range(self.max_ngram)]
+            done = 0
+        tokens = self.tokens
+        tokens.extend(int(t) for t in token_ids[done:])
+        for e in range(max(0, done - 1), len(tokens) - 1):
+            for n in range(1, min(self.max_ngram, e + 1) + 1):
+                self._ends[n - 1].setdefault(tuple(tokens[e - n + 1:e + 1]), []).append(e)
+        return self
+
+    def matches(self, min_ngram: int = 1) -> list[tuple[int, list[int]]]:
+        """(n, ends of the earlier occurrences of the last n tokens, most recent last) for each n from
+        ``min_ngram`` up to the longest suffix that occurred before. Read-only lists."""
+        tokens, out = self.tokens, []
+        for n in range(1, min(self.max_ngram, len(tokens) - 1) + 1):
+            ends = self._ends[n - 1].get(tuple(tokens[len(tokens) - n:]))
+            if not ends:  # a longer suffix cannot occur where this one does not
+                break
+            if n >= min_ngram:
+                out.append((n, ends))
+        return out
 
 
 class NgramProposer:
@@ -60,6 +101,7 @@ class NgramProposer:
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
         self.name = f"ngram:{max_ngram}"
+        self._indexes: dict[int, NgramIndex] = {}  # request id -> its tokens' index (see the module docstring)
 
     @classmethod
     def from_spec(cls, spec: str) -> NgramProposer:
@@ -78,18 +120,14 @@ class NgramProposer:
         return cls(max_ngram=n)
 
     def propose(self, requests: list[DraftRequest]) -> list[Draft]:
-        """Each request's draft (:meth:`draft`)."""
-        return [self.draft(r.token_ids, r.k) for r in requests]
+        """Each request's draft (:meth:`draft`), from its kept index."""
+        return [self._draft(self._index(r), r.k) for r in requests]
 
     def draft(self, token_ids: list[int], k: int) -> Draft:
         """Up to ``k`` tokens that followed :meth:`longest_match`; the draft's ``evidence`` is the length of
         the suffix it matched (longer matches are kept more often: on SmolLM2's replies, 12-23% of 1-token
         matches' first drafts against 75-80% of 3-token ones)."""
-        match = self.longest_match(token_ids) if k > 0 else None
-        if match is None:
-            return Draft([])
-        end, n = match
-        return Draft([int(t) for t in token_ids[end + 1:end + 1 + k]], evidence=n)
+        return self._draft(self._fresh(token_ids), k) if k > 0 else Draft([])
 
     def lookup(self, token_ids: list[int], k: int) -> list[int]:
         """The draft's tokens for one sequence (see the class docstring)."""
@@ -98,45 +136,44 @@ class NgramProposer:
     def longest_match(self, token_ids: list[int]) -> tuple[int, int] | None:
         """(end, n): where the most recent earlier occurrence of the longest matching suffix ends, and its
         length ``n``; None when no suffix of at least ``min_ngram`` tokens occurred before."""
-        by_n = self._ends_by_n(token_ids)
-        return (int(by_n[-1][1][0]), by_n[-1][0]) if by_n else None
+        return self._longest_match(self._fresh(token_ids))
 
     def occurrences(self, token_ids: list[int], limit: int = MAX_OCCURRENCES) -> list[int]:
         """Ends of earlier occurrences of the sequence's suffix: those of the longest matching n-gram first
         (``n <= max_ngram``), then of shorter ones down to ``min_ngram``; most recent first within each n."""
+        return self._occurrences(self._fresh(token_ids), limit)
+
+    def _index(self, r: DraftRequest) -> NgramIndex:
+        index = self._indexes.get(r.request_id)
+        if index is None:
+            index = self._indexes[r.request_id] = NgramIndex(self.max_ngram)
+        return index.sync(r.token_ids)
+
+    def _fresh(self, token_ids: list[int]) -> NgramIndex:
+        return NgramIndex(self.max_ngram).sync(token_ids)
+
+    def _draft(self, index: NgramIndex, k: int) -> Draft:
+        match = self._longest_match(index) if k > 0 else None
+        if match is None:
+            return Draft([])
+        end, n = match
+        return Draft(index.tokens[end + 1:end + 1 + k], evidence=n)
+
+    def _longest_match(self, index: NgramIndex) -> tuple[int, int] | None:
+        by_n = index.matches(self.min_ngram)
+        return (by_n[-1][1][-1], by_n[-1][0]) if by_n else None
+
+    def _occurrences(self, index: NgramIndex, limit: int) -> list[int]:
         out: list[int] = []
         seen: set[int] = set()
-        for _, ends in reversed(self._ends_by_n(token_ids)):  # longest n first
-            for e in ends.tolist():
+        for _, ends in reversed(index.matches(self.min_ngram)):  # longest n first
+            for e in reversed(ends):
                 if e not in seen:
                     seen.add(e)
                     out.append(e)
                     if len(out) == limit:
                         return out
         return out
-
-    def _ends_by_n(self, token_ids: list[int]) -> list[tuple[int, np.ndarray]]:
-        """(n, ends of the earlier occurrences of the last n tokens, most recent first) for each matching n
-        from ``min_ngram`` up."""
-        length = len(token_ids)
-        if length < self.min_ngram + 1:  # a match needs one token after it
-            return []
-        tokens = np.asarray(token_ids, dtype=np.int64)  # [L]
-        # ends: positions e < L-1 where an earlier occurrence of the suffix would end.
-        # Start with the 1-gram (tokens[e] == last token) and extend one token to the
-        # left per round, keeping only the ends whose window still matches; the survivors
-        # of round n are exactly the ends of earlier n-gram occurrences.
-        ends = np.flatnonzero(tokens[: length - 1] == tokens[-1])
-        by_n = []
-        for n in range(1, min(self.max_ngram, length - 1) + 1):
-            if n > 1:
-                ends = ends[ends >= n - 1]  # the window [e-n+1, e] must start at >= 0
-                ends = ends[tokens[ends - (n - 1)] == tokens[length - n]]
-            if ends.size == 0:
-                break
-            if n >= self.min_ngram:
-                by_n.append((n, ends[::-1]))
-        return by_n
 
     def propose_tree(self, requests: list[DraftRequest], shape) -> list[Draft]:
         """Trees of the continuations of the suffix's earlier occurrences (:meth:`occurrences`): a node's
@@ -145,12 +182,13 @@ class NgramProposer:
         a child's probability is that count over its parent's."""
         out = []
         for r in requests:
-            ends = self.occurrences(r.token_ids)
+            index = self._index(r)
+            ends = self._occurrences(index, MAX_OCCURRENCES)
             depth = min(r.k, shape.depth)
             counts: dict[tuple[int, ...], int] = {(): len(ends)}
             children: dict[tuple[int, ...], list[int]] = {}
             for e in ends:  # primary continuation first: children lists keep first-seen order
-                cont = tuple(int(t) for t in r.token_ids[e + 1:e + 1 + depth])
+                cont = tuple(index.tokens[e + 1:e + 1 + depth])
                 for d in range(1, len(cont) + 1):
                     path = cont[:d]
                     if path not in counts:
@@ -171,10 +209,10 @@ class NgramProposer:
         return out
 
     def on_verified(self, request_id: int, num_committed: int) -> None:
-        pass  # stateless: the next propose() rescans the committed tokens
+        pass  # the next propose() indexes the tokens committed since
 
     def release(self, request_id: int) -> None:
-        pass
+        self._indexes.pop(request_id, None)
 
 
 def _ngram(arg: str, ctx: DraftContext) -> NgramProposer:
