@@ -64,6 +64,8 @@ class ForwardCost:
         self.corrections: dict[int, float] = {}  # stream size -> the median of those (enough of them)
         self._table = (self.sizes, self.shape)  # the shape with the corrections applied
         self._corrected_span = (0, -1)  # the smallest and largest corrected size (none yet: empty)
+        self._shape_at: dict[int, float] = {}  # shape_seconds by size, until the table changes (planning
+        # reads tens of sizes per step, for a few distinct ones)
 
     def __call__(self, n: int) -> float:
         return self.scale * self.shape_seconds(n)
@@ -81,7 +83,10 @@ class ForwardCost:
 
     def shape_seconds(self, n: int) -> float:
         """The corrected shape at ``n`` (interpolated; beyond the table, its last segment's slope)."""
-        return _interpolate(*self._table, n)
+        seconds = self._shape_at.get(n)
+        if seconds is None:
+            seconds = self._shape_at[n] = _interpolate(*self._table, n)
+        return seconds
 
     def measured_seconds(self, n: int) -> float:
         """The shape at ``n`` as measured at start-up."""
@@ -97,9 +102,12 @@ class ForwardCost:
         relative = self._relative.setdefault(n, deque(maxlen=self.window))
         relative.append(seconds / expected / self.scale)
         if len(relative) >= self.min_observations:
-            self.corrections[n] = median(relative)
-            self._table = self._corrected_table()
-            self._corrected_span = (min(self.corrections), max(self.corrections))
+            correction = median(relative)
+            if self.corrections.get(n) != correction:
+                self.corrections[n] = correction
+                self._table = self._corrected_table()
+                self._corrected_span = (min(self.corrections), max(self.corrections))
+                self._shape_at.clear()
 
     def _corrected_table(self) -> tuple[list[int], list[float]]:
         """The measured shape times the corrections, on the measured and the corrected sizes, non-decreasing."""
