@@ -89,7 +89,7 @@ def load():
                     functions=["paged_attention_short", "paged_attention_quant_short", "quant_attention_applies",
                                "paged_attention_mixed_short",
                                "quant_cache_write_cpu", "quant_cache_write_applies", "cache_write_rows", "quant_linear_cpu",
-                               "quant_linear_applies", "set_bf16_dot_max_rows",
+                               "quant_linear_applies", "set_bf16_dots",
                                "bf16_dot_available"],
                     extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"], extra_ldflags=["-fopenmp"],
                     verbose=False)
@@ -323,16 +323,18 @@ def _cpp_quant_linear_takes(x, weight, scales, bias, scheme) -> bool:
 register("quant_linear", "cpp", quant_linear_cpp, ("cpu",), applies=_cpp_quant_linear_takes, priority=10)
 
 
-BF16_DOT_ROWS = (1, 2, 4, 8)  # row counts of x choose_bf16_products times
+BF16_DOT_ROWS = (1, 4, 16, 64)  # row counts of x choose_bf16_products times: decodes, verifies, prefill chunks
 
 
 def choose_bf16_products(weights: list[torch.Tensor], repeats: int = 5) -> str:
-    """Set, by measurement, up to how many rows of x bfloat16 weights run on the CPU's native bf16 dot
-    products (``cpu_quant_linear.cpp``: x split into two bf16 parts, so the result stays within
-    2^-17 of |x|.|w| of widening the weights) instead of being widened to float32; returns what it
-    measured and chose. ``weights``: the model's bfloat16 ``[N, K]`` weights (K % 32 == 0), streamed
-    as a decode step streams them. A CPU without the instructions (or a build without the
-    extension) keeps widening. The switch is process-wide: the choice belongs to the machine."""
+    """Set, by measurement, whether bfloat16 weights run on the CPU's native bf16 dot products
+    (``cpu_quant_linear.cpp``: x split into two bf16 parts, so the result stays within 2^-17 of
+    |x|.|w| of widening the weights) instead of being widened to float32; returns what it measured
+    and chose. One choice for every row count, so a row's numbers never depend on the step it is in
+    (batch invariance): native dots are taken only where they win by 5% at every row count timed.
+    ``weights``: the model's bfloat16 ``[N, K]`` weights (K % 32 == 0), streamed as a decode step
+    streams them. A CPU without the instructions (or a build without the extension) keeps widening.
+    The switch is process-wide: the choice belongs to the machine."""
     module = load()
     if module is None or not weights:
         return "bfloat16 weights: widened (no C++ kernels)" if module is None else "no bfloat16 weights"
@@ -348,33 +350,28 @@ def choose_bf16_products(weights: list[torch.Tensor], repeats: int = 5) -> str:
     best = {(way, rows): float("inf") for way in ("widened", "native") for rows in BF16_DOT_ROWS}
     for round_ in range(repeats + 1):  # the first round warms up
         for (way, rows) in best:
-            with bf16_products(rows if way == "native" else 0):
+            with bf16_products(way == "native"):
                 t0 = time.perf_counter()
                 run(rows)
                 elapsed = time.perf_counter() - t0
             if round_ > 0:
                 best[way, rows] = min(best[way, rows], elapsed)
-    # native dots up to the largest row count below which they win (by 5%) at every count timed
     # (they lose where the products, not the widening, bound the time: vdpbf16ps has half FMA's ports)
-    upto = 0
-    for rows in BF16_DOT_ROWS:
-        if best["native", rows] >= 0.95 * best["widened", rows]:
-            break
-        upto = rows
-    module.set_bf16_dot_max_rows(upto)
+    native = all(best["native", rows] < 0.95 * best["widened", rows] for rows in BF16_DOT_ROWS)
+    module.set_bf16_dots(native)
     line = ", ".join(f"{rows} rows {best['widened', rows] * 1e3:.2f}/{best['native', rows] * 1e3:.2f} ms"
                      for rows in BF16_DOT_ROWS)
-    choice = f"native bf16 dots up to {upto} rows, widened above" if upto else "widened to float32"
+    choice = "native bf16 dots at every row count" if native else "widened to float32"
     return f"bfloat16 weights, widened/native bf16 dots: {line} -> {choice}"
 
 
 @contextlib.contextmanager
-def bf16_products(max_rows: int):
-    """Within the block, bfloat16 weights run on native bf16 dot products up to ``max_rows`` rows of
-    x (0: widened), where the CPU has them; the process's choice is restored after."""
+def bf16_products(on: bool):
+    """Within the block, bfloat16 weights run on native bf16 dot products (``on``) or are widened, where
+    the CPU has them; the process's choice is restored after."""
     module = load()
-    previous = module.set_bf16_dot_max_rows(max_rows)
+    previous = module.set_bf16_dots(on)
     try:
         yield module.bf16_dot_available()
     finally:
-        module.set_bf16_dot_max_rows(previous)
+        module.set_bf16_dots(previous)

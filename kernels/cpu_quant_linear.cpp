@@ -12,14 +12,24 @@
 // of x is split once per call into two bfloat16 parts, hi = bf16(x) and lo = bf16(x - hi), and
 // hi.w + lo.w runs on vdpbf16ps (32 products per instruction, no widening): |x - hi - lo| <=
 // 2^-18 |x|, so the result is within 2^-17 of |x|.|w| of the widened one. vdpbf16ps has one port
-// where FMA has two, so this pays where widening costs more than the doubled products: few rows.
+// where FMA has two, so this pays only where widening costs more than the doubled products. The
+// switch holds for every row count: a row of x gets the same numbers whichever call it is in
+// (batch invariance: a decode and a verify of the same token agree bit for bit).
 //
 // Tiling: each thread owns a range of output channels; a tile is R rows of x by NB weight rows
 // (NB = 4 for one row of x, else 2), so each weight byte is loaded once per R rows (R up to 4).
 // Large row counts loop over chunks of weight rows that stay in L2 while every 4-row tile of x
 // passes over them. The weight streams are prefetched kAhead bytes ahead (without it, weight rows
 // streamed at 15 GB/s instead of 19). Without AVX2 the same numbers come from scalar loops.
-
+//
+// Batch invariance: an output's accumulation is the same whatever tile (R, NB) computes it, and
+// threads split outputs only, so a row of x gets the same numbers in a call of any row count. The
+// extension is built with -ffast-math, which let the compiler reassociate and contract each tile's
+// epilogue (horizontal sums, scale, bias) differently per tile shape: 1-ulp differences between a
+// decode's row and the same row in a verify. The tiles below are compiled without reassociation
+// or contraction, so every tile reduces in the order written (their inner loops are intrinsics;
+// int4 became about 10% faster, the other formats unchanged). The activation rounding
+// (quantize_rows, above) keeps -ffast-math: it is per row, and was 12% slower without it.
 namespace specgraph_qlinear {
 
 constexpr int64_t kBlock = 32;  // activation block (quant_linear.ACT_BLOCK)
@@ -36,8 +46,8 @@ struct QuantizedRows {
   std::vector<uint16_t> bf16_hi, bf16_lo;  // bfloat16 weights on native dots: x's two bf16 parts [M, K]
 };
 
-// largest row count of x at which bfloat16 weights run on native bf16 dot products (0: never)
-static int64_t g_bf16_dot_max_rows = 0;
+// whether bfloat16 weights run on native bf16 dot products (at every row count of x)
+static bool g_bf16_dots = false;
 
 static bool bf16_dot_available() {
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
@@ -101,6 +111,9 @@ static QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K) {
   }
   return q;
 }
+
+#pragma GCC push_options
+#pragma GCC optimize("no-associative-math", "fp-contract=off")
 
 #ifdef SPECGRAPH_AVX2
 static inline __m256i load32(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
@@ -444,7 +457,7 @@ static torch::Tensor run(const torch::Tensor& x, const torch::Tensor& weight, co
   const float* xp = xs.data_ptr<float>();
   QuantizedRows q = wt.kind == Weights::kInt4 ? quantize_rows(xp, M, K) : QuantizedRows{};
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
-  if (wt.kind == Weights::kBf16 && M <= g_bf16_dot_max_rows && K % 32 == 0)
+  if (wt.kind == Weights::kBf16 && g_bf16_dots && K % 32 == 0)
     split_bf16_rows(xp, M, K, &q);
 #endif
   std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
@@ -463,6 +476,8 @@ static torch::Tensor run(const torch::Tensor& x, const torch::Tensor& weight, co
 }
 
 }  // namespace specgraph_qlinear
+
+#pragma GCC pop_options
 
 // specgraph_cpu::quant_linear, the twin of specgraph::quant_linear: the kernel where it applies,
 // otherwise the specgraph:: op (its registry), with the same arguments and result.
@@ -484,11 +499,11 @@ torch::Tensor quant_linear_cpu(torch::Tensor x, torch::Tensor weight, c10::optio
   return specgraph_qlinear::run(x, weight, scales, bias, scheme);
 }
 
-// the process switch for bfloat16 weights: native bf16 dot products up to this many rows of x
-// (0: always widen; a build without the instructions keeps 0); returns the previous value
-int64_t set_bf16_dot_max_rows(int64_t rows) {
-  const int64_t previous = specgraph_qlinear::g_bf16_dot_max_rows;
-  specgraph_qlinear::g_bf16_dot_max_rows = specgraph_qlinear::bf16_dot_available() ? std::max<int64_t>(rows, 0) : 0;
+// the process switch for bfloat16 weights: native bf16 dot products at every row count of x, or
+// widening (a build without the instructions always widens); returns the previous value
+bool set_bf16_dots(bool on) {
+  const bool previous = specgraph_qlinear::g_bf16_dots;
+  specgraph_qlinear::g_bf16_dots = on && specgraph_qlinear::bf16_dot_available();
   return previous;
 }
 

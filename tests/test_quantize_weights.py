@@ -88,13 +88,32 @@ def test_cpp_kernel_matches_reference(scheme, group, rows, n, blocks, bias, zero
     want = quant_linear_ref(x, data, scales, b, scheme)
     w_back = dequantize_weight(data, scales, scheme)
     tol = 1e-5 * float(want.abs().max()) + 1e-5 + _rounding_slack(x, w_back, scheme)
-    with cpp.bf16_products(rows if bf16_dot else 0) as native:
+    with cpp.bf16_products(bf16_dot) as native:
         if native and bf16_dot and scheme == "bfloat16":
             tol += 2.0 ** -17 * float((x.abs() @ w_back.abs().T).max())
         for got in (cpp.quant_linear_cpp(x, data, scales, b, scheme),
                     torch.ops.specgraph_cpu.quant_linear(x.view(1, rows, k), data, scales, b, scheme).view(rows, n)):
             assert got.shape == want.shape
             assert (got - want).abs().max() <= tol
+
+
+@settings(max_examples=40, deadline=None)
+@given(scheme=st.sampled_from(WEIGHT_SCHEMES), rows=st.integers(2, 12), n=st.integers(1, 70),
+       blocks=st.integers(1, 6), bias=st.booleans(), seed=st.integers(0, 2**16), bf16_dot=st.booleans())
+def test_cpp_kernel_gives_a_row_the_same_bits_in_a_call_of_any_row_count(scheme, rows, n, blocks, bias, seed,
+                                                                        bf16_dot):
+    """Batch invariance: each row of x computed alone equals, bit for bit, that row in a call of ``rows``
+    rows (other tile shapes, the multi-row L2 chunking), so a verify step's token gets a decode's logits."""
+    cpp = _cpp()
+    gen = torch.Generator().manual_seed(seed)
+    k = blocks * 64
+    data, scales = quantize_weight(torch.randn(n, k, generator=gen) * 0.2, scheme, 32)
+    x = torch.randn(rows, k, generator=gen)
+    b = torch.randn(n, generator=gen) if bias else None
+    with cpp.bf16_products(bf16_dot):
+        together = cpp.quant_linear_cpp(x, data, scales, b, scheme)
+        for i in range(rows):
+            assert torch.equal(cpp.quant_linear_cpp(x[i:i + 1], data, scales, b, scheme)[0], together[i]), i
 
 
 def test_native_bf16_dots_are_built_where_the_cpu_has_them_and_chosen_by_measurement():
@@ -105,14 +124,14 @@ def test_native_bf16_dots_are_built_where_the_cpu_has_them_and_chosen_by_measure
     if {"avx512_bf16", "avx512f"} <= flags:  # the extension is built with -march=native
         assert cpp.load().bf16_dot_available()
     weights = [torch.randn(64, 96).bfloat16() for _ in range(3)]
-    with cpp.bf16_products(0):
+    with cpp.bf16_products(False):
         line = cpp.choose_bf16_products(weights, repeats=1)
-        chosen = cpp.load().set_bf16_dot_max_rows(0)
+        chosen = cpp.load().set_bf16_dots(False)
     if cpp.load().bf16_dot_available():
-        assert "widened/native bf16 dots: 1 rows" in line and chosen in (0,) + cpp.BF16_DOT_ROWS
-        assert ("native bf16 dots up to" in line) == (chosen > 0)
+        assert "widened/native bf16 dots: 1 rows" in line
+        assert ("native bf16 dots at every row count" in line) == chosen
     else:
-        assert "no native bf16 dot products" in line and chosen == 0
+        assert "no native bf16 dot products" in line and not chosen
 
 
 def test_registry_runs_the_cpp_kernel_on_cpu_float32_and_the_reference_otherwise():
