@@ -66,7 +66,8 @@ def choose_buckets(gm: fx.GraphModule, device: torch.device, panel_linears: bool
         return StepPlan(CUDA_BUCKETS, f"CUDA: static graphs for {CUDA_BUCKETS} tokens, the dynamic graph above")
     if panel_linears:
         buckets = (1,) + WIDE_BUCKETS
-        return StepPlan(buckets, f"panel linears (batch-invariant) at every step size -> static graphs for steps of "
+        return StepPlan(buckets, f"batch-invariant linears (the panel kernel for float32 weights, specgraph's "
+                                 f"kernel for quantized ones) at every step size -> static graphs for steps of "
                                  f"{buckets} tokens")
     if not torch.backends.mkldnn.is_available():
         return StepPlan((), "CPU without oneDNN: every step runs the dynamic graph")
@@ -83,14 +84,8 @@ def choose_buckets(gm: fx.GraphModule, device: torch.device, panel_linears: bool
         quantized = [n for n in gm.graph.nodes
                      if n.op == "call_function" and n.target == torch.ops.specgraph.quant_linear.default]
         if quantized:
-            reason = ("quantized linears (specgraph's kernel at any row count) -> static graphs for steps of 1 and "
-                      "of up to 8 tokens: their C++ wrapper saves host time")
-            bf16 = _bf16_weights(gm, quantized)
-            if bf16:
-                from ..kernels import cpu_kernels
-
-                reason += "; " + cpu_kernels.choose_bf16_products(bf16)
-            return StepPlan((1, 8), reason)
+            return StepPlan((1, 8), "quantized linears (specgraph's kernel at any row count) -> static graphs for "
+                                    "steps of 1 and of up to 8 tokens: their C++ wrapper saves host time")
         return StepPlan((), "no float32 linears: every step runs the dynamic graph")
     times = _time_linears(weights)
     line = (f"few-row GEMMs over {total / 2**20:.0f} MiB of the model's weights: "
@@ -107,10 +102,35 @@ def choose_buckets(gm: fx.GraphModule, device: torch.device, panel_linears: bool
     return StepPlan(tuple(buckets), line + f" -> static graphs (MKL) for steps of up to {tuple(buckets)} tokens")
 
 
-def _bf16_weights(gm: fx.GraphModule, quantized: list[fx.Node]) -> list[torch.Tensor]:
-    """The bfloat16 weights of the quantized linears ``quantized``, each once, in graph order."""
+def set_bf16_products(gm: fx.GraphModule, key: str | None) -> str:
+    """Whether the program's bfloat16 weights run on native bf16 dot products
+    (:func:`~specgraph.kernels.cpu_kernels.choose_bf16_products`), measured once per machine and kept beside
+    the step plan; the process-wide switch is set on every build, from the kept choice or a new measurement.
+    Returns what was measured and chosen ("" without bfloat16 weights)."""
+    from ..kernels import cpu_kernels
+    from .graph_cache import measurement_path, read_json, write_json
+
+    bf16 = _bf16_weights(gm)
+    module = cpu_kernels.load()
+    if not bf16 or module is None:
+        return ""
+    path = measurement_path(key, "bf16-dots")
+    kept = read_json(path) if path is not None else None
+    if isinstance(kept, dict) and isinstance(kept.get("native"), bool) and isinstance(kept.get("line"), str):
+        module.set_bf16_dots(kept["native"])
+        return "as measured by an earlier build on this machine: " + kept["line"]
+    native, line = cpu_kernels.choose_bf16_products(bf16)
+    if path is not None:
+        write_json(path, dict(native=native, line=line))
+    return line
+
+
+def _bf16_weights(gm: fx.GraphModule) -> list[torch.Tensor]:
+    """The bfloat16 weights of the graph's quantized linears, each once, in graph order."""
     seen, out = set(), []
-    for node in quantized:
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target != torch.ops.specgraph.quant_linear.default:
+            continue
         w = node.args[1]
         scheme = node.args[4] if len(node.args) > 4 else node.kwargs.get("scheme")
         if scheme == "bfloat16" and isinstance(w, fx.Node) and w.op == "get_attr" and w.target not in seen:

@@ -326,20 +326,21 @@ register("quant_linear", "cpp", quant_linear_cpp, ("cpu",), applies=_cpp_quant_l
 BF16_DOT_ROWS = (1, 4, 16, 64)  # row counts of x choose_bf16_products times: decodes, verifies, prefill chunks
 
 
-def choose_bf16_products(weights: list[torch.Tensor], repeats: int = 5) -> str:
+def choose_bf16_products(weights: list[torch.Tensor], repeats: int = 5) -> tuple[bool, str]:
     """Set, by measurement, whether bfloat16 weights run on the CPU's native bf16 dot products
     (``cpu_quant_linear.cpp``: x split into two bf16 parts, so the result stays within 2^-17 of
-    |x|.|w| of widening the weights) instead of being widened to float32; returns what it measured
-    and chose. One choice for every row count, so a row's numbers never depend on the step it is in
-    (batch invariance): native dots are taken only where they win by 5% at every row count timed.
+    |x|.|w| of widening the weights) instead of being widened to float32; returns the choice (True:
+    native) and a line saying what it measured. One choice for every row count, so a row's numbers
+    never depend on the step it is in (batch invariance): native dots are taken only where they win
+    by 5% at every row count timed.
     ``weights``: the model's bfloat16 ``[N, K]`` weights (K % 32 == 0), streamed as a decode step
     streams them. A CPU without the instructions (or a build without the extension) keeps widening.
     The switch is process-wide: the choice belongs to the machine."""
     module = load()
     if module is None or not weights:
-        return "bfloat16 weights: widened (no C++ kernels)" if module is None else "no bfloat16 weights"
+        return False, "bfloat16 weights: widened (no C++ kernels)" if module is None else "no bfloat16 weights"
     if not module.bf16_dot_available():
-        return "bfloat16 weights: widened to float32 (this CPU has no native bf16 dot products)"
+        return False, "bfloat16 weights: widened to float32 (this CPU has no native bf16 dot products)"
     weights = [w for w in weights if w.shape[1] % 32 == 0]
     x = {rows: {w.shape[1]: torch.randn(rows, w.shape[1]) for w in weights} for rows in BF16_DOT_ROWS}
 
@@ -362,7 +363,7 @@ def choose_bf16_products(weights: list[torch.Tensor], repeats: int = 5) -> str:
     line = ", ".join(f"{rows} rows {best['widened', rows] * 1e3:.2f}/{best['native', rows] * 1e3:.2f} ms"
                      for rows in BF16_DOT_ROWS)
     choice = "native bf16 dots at every row count" if native else "widened to float32"
-    return f"bfloat16 weights, widened/native bf16 dots: {line} -> {choice}"
+    return native, f"bfloat16 weights, widened/native bf16 dots: {line} -> {choice}"
 
 
 @contextlib.contextmanager

@@ -125,8 +125,9 @@ def test_native_bf16_dots_are_built_where_the_cpu_has_them_and_chosen_by_measure
         assert cpp.load().bf16_dot_available()
     weights = [torch.randn(64, 96).bfloat16() for _ in range(3)]
     with cpp.bf16_products(False):
-        line = cpp.choose_bf16_products(weights, repeats=1)
+        native, line = cpp.choose_bf16_products(weights, repeats=1)
         chosen = cpp.load().set_bf16_dots(False)
+        assert chosen == native
     if cpp.load().bf16_dot_available():
         assert "widened/native bf16 dots: 1 rows" in line
         assert ("native bf16 dots at every row count" in line) == chosen
@@ -354,3 +355,31 @@ def test_bad_calibration_is_a_clear_error():
         specgraph.Engine(model, weight_dtype="int8", weight_calibration="some text", lowering="eager", num_blocks=64)
     with pytest.raises(ValueError, match="token ids"):
         specgraph.BackendOptions(weight_calibration=("a",))
+
+
+def test_the_bf16_products_choice_is_measured_once_per_machine_and_set_in_every_build(tmp_path, monkeypatch):
+    """A program with bfloat16 weights sets the process-wide switch on each build: from a measurement the
+    first time (kept beside the step plan), from the kept choice after; none without bfloat16 weights."""
+    import torch.fx as fx
+
+    from specgraph.compiler.step_plan import set_bf16_products
+
+    cpp = _cpp()
+    monkeypatch.setenv("SPECGRAPH_GRAPH_CACHE", str(tmp_path))
+    root = torch.nn.Module()
+    root.w = torch.nn.Parameter(torch.randn(64, 96).bfloat16(), requires_grad=False)
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    w = graph.get_attr("w")
+    graph.output(graph.call_function(torch.ops.specgraph.quant_linear.default, (x, w, None, None, "bfloat16")))
+    gm = fx.GraphModule(root, graph)
+    with cpp.bf16_products(False):
+        first = set_bf16_products(gm, "key")
+        native = cpp.load().set_bf16_dots(False)
+        assert "widened/native bf16 dots" in first or "no native bf16 dot products" in first
+        assert list(tmp_path.glob("measurements/key-*-bf16-dots.json"))
+        second = set_bf16_products(gm, "key")
+        assert second == "as measured by an earlier build on this machine: " + first
+        assert cpp.load().set_bf16_dots(False) == native
+        empty = fx.GraphModule(torch.nn.Module(), fx.Graph())
+        assert set_bf16_products(empty, "key") == ""
