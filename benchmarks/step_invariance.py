@@ -75,16 +75,18 @@ def main(argv=None) -> int:
     p.add_argument("--max-draft", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--context", type=int, default=200, help="tokens per sequence before the drafts (prompts repeated)")
+    p.add_argument("--weight-dtype", default="auto", help="the Engine's weight_dtype (auto, int8, int4, fp8, bfloat16)")
     args = p.parse_args(argv)
     quiet_torch(args.threads)
     import specgraph
 
     model, tok = specgraph.load_model(args.model)
     model.eval()
-    engine = specgraph.Engine(model, tokenizer=tok, page_size=16, num_blocks=128, prefix_caching=False)
+    engine = specgraph.Engine(model, tokenizer=tok, page_size=16, num_blocks=128, prefix_caching=False,
+                              weight_dtype=args.weight_dtype)
     seqs = [lengthen(tok(t, add_special_tokens=False)["input_ids"], args.context + args.max_draft) for t in CODE]
     chunk = tok(CODE[0] + CODE[1], add_special_tokens=False)["input_ids"]
-    print(f"# step_invariance: {cpu_description()}\n# step plan: {engine.program.step_plan}\n")
+    print(f"# step_invariance: {cpu_description()}\n# weights {args.weight_dtype}; step plan: {engine.program.step_plan}\n")
     print("batch  step                    verify stream  largest |logit diff| vs decodes  rows not bitwise equal")
     for batch in (int(b) for b in args.batch.split(",")):
         for kind, stream, diff, unequal in compare(engine.program, engine.kv_cache, seqs[:batch], args.max_draft, 16,
