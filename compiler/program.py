@@ -322,7 +322,7 @@ class DecoderProgram:
 
     def _build_steps(self, kv_cache, table_width: int, buckets, progress):
         from .inductor import StepGraphs
-        from .step_plan import StepPlan, save_plan, set_bf16_products, starting_plan
+        from .step_plan import StepPlan, save_plan, starting_plan
 
         timed = self.device.type == "cpu" and self.lowering == "inductor"  # (the interpreter's timings mean nothing)
         options = self.compiled.context.options
@@ -331,9 +331,6 @@ class DecoderProgram:
         plan, cached = starting_plan(self.gm, self.device, self.cache_key, self.lowering, table_width, buckets,
                                      timed, panel)
         self.step_plan = plan.reason
-        if timed:
-            products = set_bf16_products(self.gm, self.cache_key)
-            self.step_plan += f"; {products}" if products else ""
         steps = StepGraphs(self.gm, self._inputs, self.lowering, plan.buckets, dump_dir=options.dump_dir,
                            cuda_graphs=options.cuda_graphs, panel_linears=panel)
 

@@ -81,9 +81,7 @@ def choose_buckets(gm: fx.GraphModule, device: torch.device, panel_linears: bool
                     weights.append(t.detach())
                     total += t.numel() * 4
     if not weights:
-        quantized = [n for n in gm.graph.nodes
-                     if n.op == "call_function" and n.target == torch.ops.specgraph.quant_linear.default]
-        if quantized:
+        if any(n.op == "call_function" and n.target == torch.ops.specgraph.quant_linear.default for n in gm.graph.nodes):
             return StepPlan((1, 8), "quantized linears (specgraph's kernel at any row count) -> static graphs for "
                                     "steps of 1 and of up to 8 tokens: their C++ wrapper saves host time")
         return StepPlan((), "no float32 linears: every step runs the dynamic graph")
@@ -201,10 +199,15 @@ def starting_plan(gm: fx.GraphModule, device: torch.device, key: str | None, low
     """The plan a build compiles, and whether an earlier build measured it (then nothing is timed again):
     the ``buckets`` given; else, where timings mean
     something (``timed``), the plan an earlier build of the program kept on this kind of machine; else
-    :func:`choose_buckets`' measurement."""
+    :func:`choose_buckets`' measurement. Where timings mean something, bfloat16 weights' products are
+    set too (:func:`set_bf16_products`, whatever the buckets); a new plan's reason says how (a kept one's
+    already does)."""
+    products = set_bf16_products(gm, key) if timed else ""
     if buckets is not None:
-        return StepPlan(tuple(buckets), f"buckets {buckets} given"), False
-    cached = load_plan(key, lowering, table_width, panel_linears) if timed else None
-    if cached is not None:
-        return replace(cached, reason="as measured by an earlier build on this machine: " + cached.reason), True
-    return choose_buckets(gm, device, panel_linears), False
+        plan, cached = StepPlan(tuple(buckets), f"buckets {buckets} given"), False
+    else:
+        kept = load_plan(key, lowering, table_width, panel_linears) if timed else None
+        cached = kept is not None
+        plan = (replace(kept, reason="as measured by an earlier build on this machine: " + kept.reason) if cached
+                else choose_buckets(gm, device, panel_linears))
+    return (replace(plan, reason=f"{plan.reason}; {products}") if products and not cached else plan), cached

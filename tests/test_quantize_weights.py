@@ -381,5 +381,9 @@ def test_the_bf16_products_choice_is_measured_once_per_machine_and_set_in_every_
         second = set_bf16_products(gm, "key")
         assert second == "as measured by an earlier build on this machine: " + first
         assert cpp.load().set_bf16_dots(False) == native
+        kept = next(tmp_path.glob("measurements/key-*-bf16-dots.json"))
+        kept.write_text('{"native": true, "line": "native"}')  # a kept choice is what sets the switch
+        assert set_bf16_products(gm, "key").endswith(": native")
+        assert cpp.load().set_bf16_dots(False) == cpp.load().bf16_dot_available()
         empty = fx.GraphModule(torch.nn.Module(), fx.Graph())
         assert set_bf16_products(empty, "key") == ""
