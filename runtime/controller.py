@@ -358,15 +358,23 @@ class SpeculationController:
         """
         if remaining is None:
             return sum
-        now = self._finish_seconds(remaining)
-        return lambda tokens: now - self._finish_seconds([r - t for r, t in zip(remaining, tokens)])
+        costs = self._batch_costs(len(remaining))
+        now = self._finish_seconds(remaining, costs)
+        return lambda tokens: now - self._finish_seconds([r - t for r, t in zip(remaining, tokens)], costs)
 
-    def _finish_seconds(self, left: Sequence[float]) -> float:
-        """Seconds plain decoding takes to give each sequence its ``left`` tokens (see :meth:`worth`)."""
-        total, before, rs = 0.0, 0.0, sorted(max(0.0, x) for x in left)
-        for j, x in enumerate(rs):
-            total += (x - before) * self.forward_cost(len(rs) - j)
-            before = x
+    def _batch_costs(self, n: int) -> list[float]:
+        """``out[j]``: a plain decode step of ``j`` sequences, ``j = 0..n`` (read once per plan, not per sum)."""
+        return [0.0] + [self.forward_cost(j) for j in range(1, n + 1)]
+
+    def _finish_seconds(self, left: Sequence[float], costs: Sequence[float] | None = None) -> float:
+        """Seconds plain decoding takes to give each sequence its ``left`` tokens (see :meth:`worth`);
+        ``costs``: :meth:`_batch_costs` of ``len(left)``."""
+        costs = costs or self._batch_costs(len(left))
+        total, before, n = 0.0, 0.0, len(left)
+        for j, x in enumerate(sorted(left)):
+            if x > before:  # (a sequence past its end needs nothing)
+                total += (x - before) * costs[n - j]
+                before = x
         return total
 
     def expected_worth(self, remaining: Sequence[int], gains: Sequence[Sequence[float]]) -> float:

@@ -35,7 +35,8 @@ class ForwardCost:
     a controller speculating at a loss on every later build. So each step also leaves, for its size,
     its ratio divided by the factor of that moment (what that size costs relative to the rest, free of
     the machine's speed); once a size has ``min_observations``, the median of its last ``window`` such
-    ratios corrects the shape there, and sizes between corrected ones take the linear mix of their
+    ratios corrects the shape there (moved only when it moves by more than ``resolution``: finer moves are
+    timing noise, and rebuilding the table for each was most of a step's bookkeeping), and sizes between corrected ones take the linear mix of their
     corrections (beyond them, the nearest one's). Only sizes that steps use are corrected, so the
     failure above does not come back: an unused size keeps its measured cost, and one seen to cost
     what it was measured at keeps that. A size observed alone says nothing about relative cost (all
@@ -52,20 +53,23 @@ class ForwardCost:
     """
 
     def __init__(self, seconds_by_size: dict[int, float], window: int = 15, anchor: int = 3,
-                 min_observations: int = 5, uncertainty: float = 0.15):
+                 min_observations: int = 5, uncertainty: float = 0.15, resolution: float = 0.01):
         if not seconds_by_size or min(seconds_by_size) < 1:
             raise ValueError(f"forward cost needs measured stream sizes >= 1; got {sorted(seconds_by_size)}")
         self.sizes = sorted(seconds_by_size)
         self.shape = non_decreasing([float(seconds_by_size[n]) for n in self.sizes])  # as measured
         self.scale = 1.0
         self.window, self.min_observations, self.uncertainty = window, min_observations, uncertainty
+        self.resolution = resolution
         self._ratios = deque([1.0] * anchor, maxlen=window)
         self._relative: dict[int, deque] = {}  # stream size -> its recent ratios over the factor then
         self.corrections: dict[int, float] = {}  # stream size -> the median of those (enough of them)
         self._table = (self.sizes, self.shape)  # the shape with the corrections applied
         self._corrected_span = (0, -1)  # the smallest and largest corrected size (none yet: empty)
-        self._shape_at: dict[int, float] = {}  # shape_seconds by size, until the table changes (planning
-        # reads tens of sizes per step, for a few distinct ones)
+        # shape_seconds and optimistic's share of the table by size, until the table changes (planning reads
+        # tens of sizes per step, for a few distinct ones)
+        self._shape_at: dict[int, float] = {}
+        self._optimistic_at: dict[int, float] = {}
 
     def __call__(self, n: int) -> float:
         return self.scale * self.shape_seconds(n)
@@ -75,11 +79,16 @@ class ForwardCost:
         but above the span never less than its largest size's estimate (a larger stream never costs less:
         read cheaper than a plain decode its steps corrected, a verify would look free and be chosen at
         every size not corrected yet)."""
-        lo, hi = self._corrected_span
-        if lo <= n <= hi:
-            return self(n)
-        cheaper = self(n) * (1.0 - self.uncertainty)
-        return max(cheaper, self(hi)) if n > hi >= lo else cheaper
+        seconds = self._optimistic_at.get(n)
+        if seconds is None:  # (the speed factor multiplies every size alike, so the table's part is kept)
+            lo, hi = self._corrected_span
+            seconds = self.shape_seconds(n)
+            if not lo <= n <= hi:
+                seconds *= 1.0 - self.uncertainty
+                if n > hi >= lo:
+                    seconds = max(seconds, self.shape_seconds(hi))
+            self._optimistic_at[n] = seconds
+        return self.scale * seconds
 
     def shape_seconds(self, n: int) -> float:
         """The corrected shape at ``n`` (interpolated; beyond the table, its last segment's slope)."""
@@ -102,12 +111,13 @@ class ForwardCost:
         relative = self._relative.setdefault(n, deque(maxlen=self.window))
         relative.append(seconds / expected / self.scale)
         if len(relative) >= self.min_observations:
-            correction = median(relative)
-            if self.corrections.get(n) != correction:
+            correction, now = median(relative), self.corrections.get(n)
+            if now is None or abs(correction - now) > self.resolution * now:
                 self.corrections[n] = correction
                 self._table = self._corrected_table()
                 self._corrected_span = (min(self.corrections), max(self.corrections))
                 self._shape_at.clear()
+                self._optimistic_at.clear()
 
     def _corrected_table(self) -> tuple[list[int], list[float]]:
         """The measured shape times the corrections, on the measured and the corrected sizes, non-decreasing."""

@@ -12,6 +12,8 @@ from specgraph.runtime import forward_cost as forward_cost_module
 from specgraph.runtime.controller import Acceptance, SpeculationController
 from specgraph.runtime.forward_cost import ForwardCost, cost_sizes, non_decreasing
 from specgraph.runtime.proposers import Draft
+from specgraph.runtime.sampling import SamplingParams
+from specgraph.runtime.scheduler import Request
 from models import make_family, random_prompts
 
 
@@ -51,6 +53,39 @@ def test_forward_cost_corrects_the_sizes_steps_use():
     for _ in range(10):  # one size alone tells the speed, not its cost relative to the others
         alone.observe(4, 2.2)
     assert alone.corrections == {4: 1.0} and alone(1) == pytest.approx(2.0) and alone(4) == pytest.approx(2.2)
+
+
+def test_forward_cost_moves_a_correction_only_past_its_resolution():
+    """A correction that moves by less than ``resolution`` stays (no table rebuild per step), one that moves
+    more is taken; the speed factor still moves every read, kept optimistic shares included."""
+    cost = ForwardCost({1: 1.0, 4: 1.1, 8: 2.0}, resolution=0.05)
+    def steps(one: float, four: float) -> None:
+        for _ in range(20):  # two decodes per verify: the speed factor is the decodes'
+            for n, seconds in ((1, one), (1, one), (4, four)):
+                cost.observe(n, seconds)
+
+    steps(1.0, 1.4)
+    first = cost.corrections[4]
+    before = cost.optimistic(6)
+    steps(1.0, 1.4 * 1.03)  # 3% dearer: inside the resolution
+    assert cost.corrections[4] == first
+    steps(1.0, 1.4 * 1.2)  # 20% dearer: taken
+    assert cost.corrections[4] == pytest.approx(first * 1.2) and cost.optimistic(6) > before
+    speed = cost.optimistic(6) / cost.scale
+    steps(2.0, 2 * 1.4 * 1.2)  # the machine slows 2x: the kept reads scale with it
+    assert cost.optimistic(6) == pytest.approx(speed * cost.scale) and cost.scale == pytest.approx(2.0, rel=0.05)
+
+
+def test_request_all_ids_follows_its_output():
+    r = Request(0, [5, 6, 7], 8, SamplingParams())
+    ids = r.all_ids
+    assert ids == [5, 6, 7]
+    r.output_ids.append(9)
+    assert r.all_ids == [5, 6, 7, 9] and r.all_ids is ids  # extended in place, not copied per read
+    r.output_ids.extend([1, 2])
+    assert r.all_ids == [5, 6, 7, 9, 1, 2]
+    r.prompt_ids = [4]  # replaced parts: rebuilt
+    assert r.all_ids == [4, 9, 1, 2]
 
 
 def test_planning_tries_a_verify_the_table_may_have_made_too_dear():
