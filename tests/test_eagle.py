@@ -12,7 +12,8 @@ from specgraph.runtime.heads.base import load_head, target_vocab_weights
 from specgraph.runtime.heads.distill import Recipe, distill, target_head_config
 from specgraph.runtime.heads.eagle import EagleHead
 from specgraph.runtime.heads.training import eagle_losses
-from specgraph.runtime.proposers.learned import default_head_scheme
+from specgraph.runtime.proposers.learned import candidate_rows, candidates, default_head_scheme
+from specgraph.runtime.token_tree import TreeBuilder, parse_tree
 from specgraph.kernels import cpu_kernels
 from models import VOCAB as VOCAB_OF, make_family, tiny_llama
 from test_speculative import _exact_marginals, _passes, _peaky
@@ -156,6 +157,36 @@ def test_a_quantized_head_drafts_like_the_float_head_and_stays_lossless(tiny_hea
         assert ([r.token_ids for r in spec.generate(batch, max_new_tokens=16, ignore_eos=True)]
                 == [r.token_ids for r in plain.generate(batch, max_new_tokens=16, ignore_eos=True)])
     assert spec.stats["mean_accepted_tokens"] > 1.2
+
+
+def test_a_quantized_heads_stacked_products_compute_the_separate_ones(tiny_head):
+    """A quantized head runs q/k/v and gate/up as one product each (per-row scales: the stacked codes are the
+    separate ones), and a tree level's candidates come from one draft LM head product for all its nodes: the
+    numbers are those of the separate calls."""
+    model, out, _ = tiny_head
+    head = load_head(out, {"eagle": EagleHead}).attach(*target_vocab_weights(model, VOCAB)).quantize("int8").eval()
+    assert head.qkv_product is not None and head.gate_up_product is not None
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, VOCAB, (6,), generator=gen)
+    feats = torch.randn(6, head.cfg.hidden, generator=gen)
+    meta = AttentionMetadata.build([([1, 2], 0, 6)], 4, [list(range(6))])
+
+    def paged():
+        k_cache, v_cache = head.new_cache(4, 4, "cpu", torch.float32)
+        with torch.no_grad():
+            return head.forward_paged(ids, feats, meta, k_cache, v_cache)
+
+    stacked = paged()
+    head.qkv_product = head.gate_up_product = None
+    separate = paged()
+    if cpu_kernels.load() is not None:  # the C++ kernel computes an output the same way in any call
+        assert torch.equal(stacked, separate)
+    torch.testing.assert_close(stacked, separate, atol=1e-5, rtol=1e-5)
+    builder = TreeBuilder(parse_tree("static:3,2", 16))
+    with torch.no_grad():
+        rows = candidate_rows(head, stacked, 3)
+        assert rows == [candidates(head, g, builder) for g in stacked]
+    assert all(len(r) == 3 for r in rows)
 
 
 @pytest.mark.parametrize("tree", [None, "static:2,1"])

@@ -20,6 +20,7 @@ attention kernel with token-tree masks) and :meth:`unrolled` (training and held-
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import math
 from dataclasses import dataclass, field
@@ -28,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import DraftHead
+from .base import DraftHead, QuantizedLinear
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,22 @@ class EagleHead(DraftHead):
         self.gate_proj = nn.Linear(h, cfg.intermediate, bias=False)
         self.up_proj = nn.Linear(h, cfg.intermediate, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate, h, bias=False)
+        # quantized heads: the products that share an input, one kernel call each (see quantize)
+        self.qkv_product: QuantizedLinear | None = None
+        self.gate_up_product: QuantizedLinear | None = None
+        self._attention_ops = None  # (cache_write, paged_attention) for the cache's device (see forward_paged)
+
+    def quantize(self, scheme: str) -> "EagleHead":
+        """:meth:`DraftHead.quantize`, and q/k/v and gate/up each as one product over their stacked weights:
+        every scheme scales per output row, so the stacked codes are the separate ones and each output is
+        computed as before, in two kernel calls instead of five per draft step."""
+        stacked = {"qkv_product": (self.q_proj, self.k_proj, self.v_proj),
+                   "gate_up_product": (self.gate_proj, self.up_proj)}
+        weights = {name: torch.cat([m.weight for m in mods]) for name, mods in stacked.items()}
+        super().quantize(scheme)
+        for name, w in weights.items():
+            setattr(self, name, QuantizedLinear(w, None, scheme))
+        return self
 
     # ------------------------------------------------------------- the layer
     def _inputs(self, ids: torch.Tensor, feats: torch.Tensor) -> torch.Tensor:
@@ -74,16 +91,24 @@ class EagleHead(DraftHead):
     def _qkv(self, x: torch.Tensor, positions: torch.Tensor):
         cfg = self.cfg
         shape = x.shape[:-1]
-        q = self.q_proj(x).view(*shape, cfg.heads, cfg.head_dim)
-        k = self.k_proj(x).view(*shape, cfg.kv_heads, cfg.head_dim)
-        v = self.v_proj(x).view(*shape, cfg.kv_heads, cfg.head_dim)
+        if self.qkv_product is not None:
+            q, k, v = self.qkv_product(x).split([cfg.heads * cfg.head_dim] + [cfg.kv_heads * cfg.head_dim] * 2, -1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.reshape(*shape, cfg.heads, cfg.head_dim)
+        k = k.reshape(*shape, cfg.kv_heads, cfg.head_dim)
+        v = v.reshape(*shape, cfg.kv_heads, cfg.head_dim)
         cos, sin = rotary(positions, cfg.head_dim, cfg.rope_theta, x.dtype)
         return rotate(q, cos, sin), rotate(k, cos, sin), v
 
     def _finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         h = x + self.o_proj(attn.reshape(*x.shape[:-1], -1))
         m = self.mlp_norm(h)
-        return h + self.down_proj(F.silu(self.gate_proj(m)) * self.up_proj(m))
+        if self.gate_up_product is not None:
+            gate, up = self.gate_up_product(m).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(m), self.up_proj(m)
+        return h + self.down_proj(F.silu(gate) * up)
 
     # ------------------------------------------------------------- inference
     def forward_paged(self, ids: torch.Tensor, feats: torch.Tensor, meta, k_cache: torch.Tensor,
@@ -91,11 +116,13 @@ class EagleHead(DraftHead):
         """Predicted features ``[N, hidden]`` of a stream of pairs ``(ids[i], feats[i])`` at ``meta``'s slots
         and positions (a ``compiler.program.AttentionMetadata``; its ``tree_mask`` makes a token tree);
         the pairs' K/V are written to the head's cache first."""
-        importlib.import_module("specgraph.kernels")  # registers specgraph::cache_write / paged_attention
+        if self._attention_ops is None:
+            self._attention_ops = attention_ops(k_cache.device)
+        cache_write, paged_attention = self._attention_ops
         x = self._inputs(ids, feats)
         q, k, v = self._qkv(x, meta.positions)
-        torch.ops.specgraph.cache_write(k.contiguous(), v.contiguous(), k_cache, v_cache, meta.slot_mapping)
-        attn = torch.ops.specgraph.paged_attention(
+        cache_write(k.contiguous(), v.contiguous(), k_cache, v_cache, meta.slot_mapping)
+        attn = paged_attention(
             q.contiguous(), k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, meta.positions,
             1.0 / math.sqrt(self.cfg.head_dim), 0, 0.0, None, meta.tree_mask)
         return self._finish(x, attn)
@@ -145,12 +172,30 @@ class EagleHead(DraftHead):
         return out
 
 
+def attention_ops(device: torch.device):
+    """``(cache_write, paged_attention)``: on CPU the C++ kernels' native twins when built (they run the kernel
+    straight from the dispatcher where it applies and the specgraph op otherwise, as compiled steps do),
+    else the specgraph ops; the ops' Python layers cost about as much as a draft layer's attention."""
+    from ...kernels import cpu_kernels
+
+    importlib.import_module("specgraph.kernels")  # registers specgraph::cache_write / paged_attention
+    if device.type == "cpu":
+        write, attend = cpu_kernels.native_op("cache_write"), cpu_kernels.native_op("paged_attention")
+        if write is not None and attend is not None:
+            return write, attend
+    return torch.ops.specgraph.cache_write, torch.ops.specgraph.paged_attention
+
+
 def rotary(positions: torch.Tensor, dim: int, theta: float, dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """``cos``/``sin`` ``[..., 1, dim]`` for rotate-half rotary embeddings at ``positions``."""
-    inv = 1.0 / theta ** (torch.arange(0, dim, 2, device=positions.device, dtype=torch.float32) / dim)
-    angles = positions.to(torch.float32)[..., None] * inv
+    angles = positions.to(torch.float32)[..., None] * _inverse_frequencies(dim, theta, positions.device)
     angles = torch.cat([angles, angles], dim=-1)[..., None, :]
     return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+@functools.lru_cache(maxsize=8)
+def _inverse_frequencies(dim: int, theta: float, device: torch.device) -> torch.Tensor:
+    return 1.0 / theta ** (torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -22,7 +22,7 @@ from ..heads.eagle import EagleHead
 from ..kv_manager import KVCacheManager
 from ..token_tree import TreeBuilder, TreeShape
 from .base import Draft, DraftContext, DraftRequest
-from .learned import candidates, draw, load_target_head
+from .learned import candidate_rows, draw, load_target_head
 
 DEFAULT_TREE = "static:2,1,1"  # 7 tokens: fits the 8-token static step graph (bench_trees.py, tuning prompts)
 
@@ -124,11 +124,12 @@ class EagleProposer:
         last committed slot's output; each later level feeds the tree so far as one tree step (node ``i`` at
         slot ``n + i``: its token and its parent's predicted feature) for the newest level's outputs."""
         builders = {r.request_id: TreeBuilder(shape, max_depth=r.k) for r in requests}
+        width = max(shape.level_widths, default=1)
         live, g = self._feed_committed([r for r in requests if not builders[r.request_id].done])
         root = dict(zip((r.request_id for r in live), g))
         outputs: dict[int, torch.Tensor] = {}
-        for row, r in enumerate(live):
-            builders[r.request_id].add_level([candidates(self.head, g[row], builders[r.request_id])])
+        for r, level in zip(live, candidate_rows(self.head, g, width) if live else []):
+            builders[r.request_id].add_level([level])
         words = mask_words(shape.scratch_nodes)
         while live := [r for r in live if not builders[r.request_id].done]:
             ids, feats, seqs, want, trees = [], [], [], [], {}
@@ -140,12 +141,15 @@ class EagleProposer:
                 want.append(list(b.frontier))
                 trees[s] = b.parents
             g = self._forward(ids, torch.stack(feats), seqs, want, trees, words)
-            offset = 0
+            offset, rows = 0, []
             for r, (_, _, n) in zip(live, seqs):
-                b = builders[r.request_id]
                 outputs[r.request_id] = g[offset:offset + n]
-                b.add_level([candidates(self.head, outputs[r.request_id][node], b) for node in b.frontier])
+                rows += [offset + node for node in builders[r.request_id].frontier]
                 offset += n
+            levels = iter(candidate_rows(self.head, g[rows], width))  # the frontier nodes of every tree at once
+            for r in live:
+                b = builders[r.request_id]
+                b.add_level([next(levels) for _ in b.frontier])
         out = []
         for r in requests:
             tokens, parents = builders[r.request_id].result()

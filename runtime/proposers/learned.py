@@ -74,6 +74,13 @@ def draw(head: DraftHead, r: DraftRequest, logits: torch.Tensor, qs: list[torch.
 def candidates(head: DraftHead, g: torch.Tensor, builder: TreeBuilder) -> list[tuple[int, float]]:
     """A tree node's candidate children from a head's feature ``g``: its most probable draft-vocabulary tokens,
     ``(token, probability)`` best first, as many as a level of ``builder``'s tree may keep."""
+    return candidate_rows(head, g[None], max(builder.width, default=1))[0]
+
+
+def candidate_rows(head: DraftHead, g: torch.Tensor, width: int) -> list[list[tuple[int, float]]]:
+    """:func:`candidates` of each row of ``g [n, hidden]``, ``width`` each: one draft LM head product for every
+    node of a tree level (it streams the draft vocabulary's weights once, not once per node)."""
     probs = torch.softmax(head.draft_logits(g).float(), dim=-1)
-    top = torch.topk(probs, min(max(builder.width, default=1), probs.shape[-1]))
-    return list(zip(head.draft_ids[top.indices].tolist(), top.values.tolist()))
+    top = torch.topk(probs, min(width, probs.shape[-1]), dim=-1)
+    tokens = head.draft_ids[top.indices].tolist()
+    return [list(zip(t, p)) for t, p in zip(tokens, top.values.tolist())]
