@@ -312,9 +312,10 @@ class StepGraphs:
         # fakes under our own shape env for both kinds: a scalar the model lifted to an input (a norm's
         # epsilon) is read with .item(), which a fake mode without a shape env refuses
         fake_mode, examples = _symbolic_inputs(inputs, self._roles, dynamic=key == "dynamic")
-        # a bucket graph serves the decode steps, where the host's cost per op shows: its calls are
-        # made from a C++ wrapper (SmolLM2's 30 layers, 1 token: 1.65 vs 2.9 ms of host time per step)
-        cpp_wrapper = key != "dynamic" and self.lowering == "inductor" and self._on_cpu
+        # decode and verify steps are short, so the host's cost per op shows: every graph's calls are made
+        # from a C++ wrapper (SmolLM2's 30 layers, 1 token: 1.65 vs 2.9 ms of host time per step; the
+        # dynamic graph's 2-16 token verifies 0.6-1.0 ms cheaper, for a longer first compile, 52 s vs ~15 s)
+        cpp_wrapper = self.lowering == "inductor" and self._on_cpu
         with torch._guards.tracing(torch._guards.TracingContext(fake_mode)):
             compiled = compile_graph(gm, examples, self.lowering, self.dump_dir, name, cpp_wrapper=cpp_wrapper)
         self.compiles += 1
