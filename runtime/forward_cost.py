@@ -35,9 +35,9 @@ class ForwardCost:
     a controller speculating at a loss on every later build. So each step also leaves, for its size,
     its ratio divided by the factor of that moment (what that size costs relative to the rest, free of
     the machine's speed); once a size has ``min_observations``, the median of its last ``window`` such
-    ratios corrects the shape there (moved only when it moves by more than ``resolution``: finer moves are
-    timing noise, and rebuilding the table for each was most of a step's bookkeeping), and sizes between corrected ones take the linear mix of their
-    corrections (beyond them, the nearest one's). Only sizes that steps use are corrected, so the
+    ratios corrects the shape there (moved only when it moves by more than ``resolution``: finer moves
+    are timing noise, and the table was rebuilt for them on nearly every step), and sizes between
+    corrected ones take the linear mix of their corrections (beyond them, the nearest one's). Only sizes that steps use are corrected, so the
     failure above does not come back: an unused size keeps its measured cost, and one seen to cost
     what it was measured at keeps that. A size observed alone says nothing about relative cost (all
     its ratios are the factor), so its correction stays 1.
