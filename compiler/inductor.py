@@ -314,7 +314,7 @@ class StepGraphs:
         fake_mode, examples = _symbolic_inputs(inputs, self._roles, dynamic=key == "dynamic")
         # decode and verify steps are short, so the host's cost per op shows: every graph's calls are made
         # from a C++ wrapper (SmolLM2's 30 layers, 1 token: 1.65 vs 2.9 ms of host time per step; the
-        # dynamic graph's 2-16 token verifies 0.6-1.0 ms cheaper, for a longer first compile, 52 s vs ~15 s)
+        # dynamic graph's 2-16 token verifies 0.6-1.0 ms cheaper, for a longer first compile: 49 s vs 28 s)
         cpp_wrapper = self.lowering == "inductor" and self._on_cpu
         with torch._guards.tracing(torch._guards.TracingContext(fake_mode)):
             compiled = compile_graph(gm, examples, self.lowering, self.dump_dir, name, cpp_wrapper=cpp_wrapper)
