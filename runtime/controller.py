@@ -349,13 +349,11 @@ class SpeculationController:
 
         While requests wait (``remaining`` None), every token is throughput: worth its count. When the
         batch drains (no request waits and the step has no prefill: its decodes are all the work left),
-        a token is worth the seconds it cuts from finishing them. With ``r`` tokens left per sequence and the forward
-        cost ``c`` by stream size, plain decoding finishes in ``T(r) = sum_j (r_(j) - r_(j-1)) *
-        c(n - j + 1)`` over ``r`` sorted ascending (the batch shrinks as sequences end), and a plan's
-        worth is ``T(r) - T(r - tokens)``. Drafts for one of several sequences tied at the longest
-        remaining length then cut almost nothing (the others still need every step), while drafts for
-        the sequence that finishes last cut a whole step per token.
-        """
+        a token is worth the seconds it cuts from finishing them. With ``r`` tokens left per sequence
+        and the forward cost ``c`` by stream size, plain decoding finishes in ``T(r) = sum_j (r_(j) -
+        r_(j-1)) * c(n - j + 1)`` over ``r`` sorted ascending (the batch shrinks as sequences end), and
+        a plan's worth is ``T(r) - T(r - tokens)``: drafts for one of several sequences tied at the longest
+        remaining length cut almost nothing, for the one that finishes last a whole step per token."""
         if remaining is None:
             return sum
         costs = self._batch_costs(len(remaining))
@@ -363,18 +361,16 @@ class SpeculationController:
         return lambda tokens: now - self._finish_seconds([r - t for r, t in zip(remaining, tokens)], costs)
 
     def _batch_costs(self, n: int) -> list[float]:
-        """``out[j]``: a plain decode step of ``j`` sequences, ``j = 0..n`` (read once per plan, not per sum)."""
+        """``out[j]``: a plain decode step of ``j`` sequences, ``j = 0..n``."""
         return [0.0] + [self.forward_cost(j) for j in range(1, n + 1)]
 
-    def _finish_seconds(self, left: Sequence[float], costs: Sequence[float] | None = None) -> float:
-        """Seconds plain decoding takes to give each sequence its ``left`` tokens (see :meth:`worth`);
-        ``costs``: :meth:`_batch_costs` of ``len(left)``."""
-        costs = costs or self._batch_costs(len(left))
+    @staticmethod
+    def _finish_seconds(left: Sequence[float], costs: Sequence[float]) -> float:
+        """Seconds plain decoding takes to give each sequence its ``left`` tokens (``costs``: :meth:`_batch_costs`)."""
         total, before, n = 0.0, 0.0, len(left)
         for j, x in enumerate(sorted(left)):
             if x > before:  # (a sequence past its end needs nothing)
-                total += (x - before) * costs[n - j]
-                before = x
+                total, before = total + (x - before) * costs[n - j], x
         return total
 
     def expected_worth(self, remaining: Sequence[int], gains: Sequence[Sequence[float]]) -> float:
@@ -388,7 +384,7 @@ class SpeculationController:
         ``N(l)`` the sequences with more than ``l`` tokens left; after the step this sums ``E[c(N(l))]``:
         exactly (a Poisson-binomial count) at the levels where some sequence may or may not be done, and
         as ``c(N)`` times their number over the stretches of levels where none is in doubt."""
-        n = len(remaining)
+        n, costs = len(remaining), self._batch_costs(len(remaining))
         first_doubt = [r - len(g) - 1 for r, g in zip(remaining, gains)]  # levels first_doubt..r-2 are in doubt
 
         def running(i: int, level: int) -> float:  # P(sequence i has more than `level` tokens left after the step)
@@ -400,15 +396,15 @@ class SpeculationController:
         for start, end in zip(edges, edges[1:]):
             if not any(d <= start <= r - 2 for d, r in zip(first_doubt, remaining)):  # nothing in doubt here
                 count = sum(start < d for d in first_doubt)  # surely running: before their levels in doubt
-                after += (end - start) * (self.forward_cost(count) if count else 0.0)
+                after += (end - start) * costs[count]
                 continue
             for level in range(start, end):
                 dist = [1.0]  # P(N = j) over the sequences taken so far
                 for i in range(n):
                     p = running(i, level)
                     dist = [a * (1 - p) + b * p for a, b in zip(dist + [0.0], [0.0] + dist)]
-                after += sum(q * self.forward_cost(j) for j, q in enumerate(dist) if j and q)
-        return self._finish_seconds(remaining) - after
+                after += sum(q * costs[j] for j, q in enumerate(dist) if j and q)
+        return self._finish_seconds(remaining, costs) - after
 
     def _probe_stretch(self, extra_seconds: float, step_seconds: float) -> float:
         """How many times ``probe_interval`` a probe that adds ``extra_seconds`` to a step of ``step_seconds``

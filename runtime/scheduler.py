@@ -72,7 +72,6 @@ class Request:
     first_token_time: float | None = None  # seconds from arrival to the first new token
     decode_steps: int = 0  # target forwards that fed this sequence one token (+ its drafts)
     draft_lengths: dict[int, int] = field(default_factory=dict)  # drafts verified in a step -> such steps
-    _all_ids: list[int] = field(default_factory=list, repr=False, compare=False)  # see all_ids
 
     def speculation_summary(self) -> dict:
         """Per request: decode steps, how many verified drafts, and the lengths chosen."""
@@ -83,15 +82,7 @@ class Request:
 
     @property
     def all_ids(self) -> list[int]:
-        """Prompt + output: one list, extended as tokens are appended to ``output_ids`` (read-only for callers).
-        A step reads it several times per sequence (drafting, scoring shadow drafts), and a fresh copy of a
-        long sequence each time was a measurable share of the host time of an adaptive step."""
-        ids, prompt, total = self._all_ids, len(self.prompt_ids), len(self.prompt_ids) + len(self.output_ids)
-        if prompt <= len(ids) < total:
-            ids.extend(self.output_ids[len(ids) - prompt:])
-        elif len(ids) != total:
-            ids = self._all_ids = self.prompt_ids + self.output_ids
-        return ids
+        return self.prompt_ids + self.output_ids
 
     @property
     def num_pending(self) -> int:

@@ -186,7 +186,11 @@ def test_a_quantized_heads_stacked_products_compute_the_separate_ones(tiny_head)
     with torch.no_grad():
         rows = candidate_rows(head, stacked, 3)
         assert rows == [candidates(head, g, builder) for g in stacked]
-    assert all(len(r) == 3 for r in rows)
+        for g, row in zip(stacked, rows):  # each row's own product: the 3 most probable draft tokens, best first
+            probs = torch.softmax(head.draft_logits(g[None])[0], dim=-1)
+            want = torch.topk(probs, 3)
+            assert [t for t, _ in row] == head.draft_ids[want.indices].tolist()
+            assert [p for _, p in row] == pytest.approx(want.values.tolist())
 
 
 @pytest.mark.parametrize("tree", [None, "static:2,1"])
