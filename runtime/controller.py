@@ -70,6 +70,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from .forward_cost import ForwardCost
+from .lookup_gate import LookupGate
 
 
 @dataclass
@@ -175,6 +176,8 @@ class SpeculationController:
         self.records: dict[int, SequenceRecord] = {}
         self.probes: set[int] = set()  # sequences the last plan before drafting gave drafts only to re-probe
         self.last_rate = 0.0  # expected tokens per second of the last plan
+        self.last_saving = 0.0  # seconds the last plan expects to save over its floors' (plain decoding's) step
+        self.lookups = LookupGate()  # whether free drafts are looked up this step (runtime/lookup_gate.py)
         # token trees: per-sequence and engine-wide tokens per verify, a tree draft's seconds, and probes
         self.trees: dict[int, TreeRecord] = {}
         self.global_tree = TreeRecord(decay=global_decay)
@@ -200,6 +203,7 @@ class SpeculationController:
         self.global_tree = start["tree"]
         self.records.clear()
         self.trees.clear()
+        self.lookups.forget()
 
     # ---------------------------------------------------------------- decisions
     def record(self, request_id: int) -> SequenceRecord:
@@ -260,6 +264,7 @@ class SpeculationController:
         # length: taking the largest such gain first gives the most tokens for every stream size.
         # Walk the stream sizes in that order and keep the best worth per second seen.
         best_rate, best = -1.0, list(ks)
+        floor_rate = None
         extra = 0
         # Stop once no larger plan can win: none is worth more than taking every draft (worth never falls
         # as tokens grow) or costs less than the cheapest larger stream (drafting counted at today's
@@ -269,6 +274,7 @@ class SpeculationController:
         while True:
             seconds = self._plan_seconds(base + extra, ks, per_position)
             rate = worth(tokens) / seconds if seconds > 0 else float("inf")
+            floor_rate = rate if floor_rate is None else floor_rate
             if rate > best_rate * (1 + 1e-9):
                 best_rate, best = rate, list(ks)
             gains = [(curves[i][k], i) for i, (k, cap) in enumerate(zip(ks, caps)) if k < cap]
@@ -281,15 +287,20 @@ class SpeculationController:
             ks[i] += 1
             tokens[i] += gain
             extra += 1
+        gain_rates = (best_rate, floor_rate)
         # the walk read each sequence's expected tokens: exact for one sequence, not for several (expected_worth)
         if remaining is not None and len(recs) > 1 and best != floor_ks:
-            exact = [self.expected_worth(remaining, [c[:k] for c, k in zip(curves, plan)])
-                     / self._plan_seconds(other_tokens + len(recs) + sum(plan), plan, per_position)
-                     for plan in (best, floor_ks)]
+            gain_rates = exact = [self.expected_worth(remaining, [c[:k] for c, k in zip(curves, plan)])
+                                  / self._plan_seconds(other_tokens + len(recs) + sum(plan), plan, per_position)
+                                  for plan in (best, floor_ks)]
             if exact[0] <= exact[1]:
                 best, best_rate = floor_ks, exact[1]
         ks = best
         self.last_rate = best_rate
+        # (plain decoding would take rate_best / rate_floor times the plan's seconds for what the plan is worth)
+        seconds = self._plan_seconds(other_tokens + len(recs) + sum(ks), ks, per_position)
+        self.last_saving = (seconds * (gain_rates[0] / gain_rates[1] - 1.0)
+                            if ks != floor_ks and 0 < gain_rates[1] < float("inf") else 0.0)
         self.probes = set()
         if not (drafting_cost and probe):  # after drafting (or with shadows) nothing is probed
             return ks

@@ -11,7 +11,8 @@ proposer and, with ``adaptive``, the :class:`~.controller.SpeculationController`
   drafting time spent (a draft shorter than asked may no longer pay);
 * a proposer that writes no cache (``writes_cache = False``, e.g. n-gram lookup) drafts for every
   sequence first, and the controller chooses knowing each draft and its evidence class; the drafts
-  it does not verify are scored, unverified, as the target's tokens arrive (shadow drafts);
+  it does not verify are scored, unverified, as the target's tokens arrive (shadow drafts); steps look
+  only while looking is worth its host time (:class:`~.lookup_gate.LookupGate`);
 * draft slots are allocated in the KV manager before the forward (copy-on-write copies through
   ``copy_blocks``), and the slots of drafts cut short are given back at once.
 """
@@ -168,7 +169,12 @@ class Speculation:
         shadowing = controller is not None and getattr(self.proposer, "writes_cache", True) is False
         remaining = [r.max_new_tokens - len(r.output_ids) for r in decodes] if draining and not other_tokens else None
         if shadowing and self.tree is None:
-            return self._look_then_choose(decodes, caps, other_tokens, remaining)
+            if not ids or not controller.lookups.should_look():  # (not worth its host time lately)
+                return {}
+            t0 = time.perf_counter()
+            drafts = self._look_then_choose(decodes, caps, other_tokens, remaining)
+            controller.lookups.spend(time.perf_counter() - t0)
+            return drafts
         lengths = (controller.plan(ids, caps, other_tokens, probe=not shadowing, remaining=remaining)
                    if controller is not None else caps)
         if self.tree is not None and ids and controller.tree_pays(ids, caps, self.tree.max_nodes, other_tokens,
@@ -229,6 +235,7 @@ class Speculation:
         got = [proposals[i] if i in proposals else Draft([]) for i in ids]
         lengths = controller.plan(ids, [len(d.token_ids) for d in got], other_tokens, drafting_cost=False,
                                   probe=False, remaining=remaining, evidence=[d.evidence for d in got])
+        controller.lookups.observe_saving(controller.last_saving)
         drafts = {}
         for r, d, k in zip(decodes, got, lengths):
             if k > 0 and self._reserve(r, k, k) is not None:  # (None: pool short, a plain decode this step)
@@ -289,8 +296,10 @@ class Speculation:
             return
         self.controller.observe_decode(rid, len(draft.token_ids) if draft is not None else 0, len(path),
                                        draft.evidence if draft is not None else None)
-        if self.controller.has_shadow(rid):
+        if self.controller.has_shadow(rid):  # (part of a look's host time)
+            t0 = time.perf_counter()
             self.controller.score_shadow(rid, r.all_ids)
+            self.controller.lookups.spend(time.perf_counter() - t0)
 
     def observe_forward(self, num_tokens: int, seconds: float) -> None:
         """A forward made only of decodes took ``seconds`` over ``num_tokens`` tokens (with the sampling or

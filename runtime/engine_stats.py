@@ -27,7 +27,9 @@ class EngineStats:
     ``forward_cost_corrections``, by stream size, where steps of that size took more or less than
     the measured shape says relative to the others); ``mean_accepted_path`` the drafts kept per
     verify forward (a tree's accepted root path) and ``tree_nodes_verified`` the tree nodes
-    verified; ``draft_s`` the seconds spent drafting (part of ``host_s``).
+    verified; ``draft_s`` the seconds spent drafting (part of ``host_s``); ``draft_lookups_skipped`` the
+    decode steps on which a proposer that drafts for free (n-gram lookup) was not asked, lookups having cost
+    more host time than their plans were predicted to save (``runtime/lookup_gate.py``).
     """
 
     def __init__(self, engine):
@@ -43,6 +45,7 @@ class EngineStats:
         self._counter_base = self._counters()
         speculation = self._engine.speculation
         self._draft_s_base = speculation.draft_s if speculation is not None else 0.0
+        self._skipped_base = self._skipped_lookups()
 
     # ------------------------------------------------------------ counting
     def count_forward(self, pool_usage: float) -> None:
@@ -114,7 +117,12 @@ class EngineStats:
                 s["forward_cost_s"] = engine.controller.forward_cost.as_dict()
                 s["forward_cost_scale"] = engine.controller.forward_cost.scale
                 s["forward_cost_corrections"] = dict(engine.controller.forward_cost.corrections)
+                s["draft_lookups_skipped"] = self._skipped_lookups() - self._skipped_base
         return s
+
+    def _skipped_lookups(self) -> int:
+        controller = self._engine.controller
+        return controller.lookups.skipped if controller is not None else 0
 
     def _counters(self) -> dict[str, int]:
         engine = self._engine

@@ -78,10 +78,13 @@ def test_plan_speculates_when_it_pays_and_not_when_it_does_not():
     ctl = SpeculationController(4, flat)
     ctl.record(1).acceptance = Acceptance.prior(4, 0.6)
     assert ctl.plan([1], [4], 0) == [4]
+    # the saving it predicts: what plain decoding takes to make its expected tokens, less its own step
+    tokens = 1 + sum(0.6 ** j for j in range(1, 5))
+    assert ctl.last_saving == pytest.approx(tokens * flat.optimistic(1) - flat.optimistic(5)) and ctl.last_saving > 1
     steep = ForwardCost({1: 1.0, 2: 2.0, 8: 8.0})  # each token costs a forward's worth
     ctl = SpeculationController(4, steep)
     ctl.record(1).acceptance = Acceptance.prior(4, 0.6)
-    assert ctl.plan([1], [4], 0) == [0]
+    assert ctl.plan([1], [4], 0) == [0] and ctl.last_saving == 0.0
     assert ctl.plan([1], [0], 0) == [0]  # a cap of 0 is kept
 
 

@@ -1,0 +1,73 @@
+"""runtime/lookup_gate.py: free drafts are looked up every step while their plans save more than the lookups
+cost (and for the first min_looks looks), every cost/saving steps (at most max_wait) otherwise, and a large
+saving reopens the gate at once."""
+import pytest
+
+from specgraph.runtime.lookup_gate import LookupGate
+
+
+def _looks(gate: LookupGate, steps: int, saving: float, cost: float) -> list[int]:
+    """The steps (0-based) that looked, each look costing ``cost`` host seconds and predicting ``saving``."""
+    looked = []
+    for step in range(steps):
+        if gate.should_look():
+            looked.append(step)
+            gate.spend(cost)
+            gate.observe_saving(saving)
+    return looked
+
+
+def test_lookups_that_save_more_than_they_cost_run_every_step():
+    gate = LookupGate()
+    assert _looks(gate, 20, saving=1e-3, cost=2e-4) == list(range(20))
+    assert gate.skipped == 0
+
+
+def test_lookups_that_save_nothing_run_every_max_wait_steps_after_min_looks():
+    gate = LookupGate(max_wait=8, min_looks=4)
+    looked = _looks(gate, 45, saving=0.0, cost=2e-4)
+    assert looked == [0, 1, 2, 3, 11, 19, 27, 35, 43]
+    assert gate.skipped == 45 - len(looked)
+
+
+def test_a_small_saving_waits_cost_over_saving_steps():
+    gate = LookupGate(max_wait=8, min_looks=0)
+    gate.saving, gate.cost = 5e-5, 2e-4
+    assert gate.wait() == 4
+    gate.saving = 1.9e-4
+    assert gate.wait() == 1  # (floor: a wait of one step costs what it saves)
+
+
+def test_a_large_saving_reopens_the_gate_and_forget_keeps_the_cost():
+    gate = LookupGate(max_wait=8, min_looks=4)
+    _looks(gate, 20, saving=0.0, cost=2e-4)
+    assert gate.wait() == 8
+    gate.observe_saving(1e-2)  # a look whose plan verifies a strong draft
+    assert gate.wait() == 1
+    gate.forget()
+    assert gate.saving is None and gate.looks == 0 and gate.cost == pytest.approx(2e-4) and gate.wait() == 1
+
+
+def test_max_wait_must_be_positive():
+    with pytest.raises(ValueError, match="max_wait"):
+        LookupGate(max_wait=0)
+
+
+def test_an_engine_whose_lookups_do_not_pay_skips_them_and_keeps_greedy_output():
+    """With n-gram drafts and the gate shut (lookups priced far above what their plans save), only every
+    max_wait-th decode step looks up drafts; the output is the target's, on repeating and random prompts."""
+    import specgraph
+    from models import make_family, random_prompts
+
+    model = make_family("llama")
+    prompts = [p * 3 for p in random_prompts("llama", [5, 4], seed=3)] + random_prompts("llama", [9], seed=4)
+    plain = specgraph.Engine(model, lowering="eager", num_blocks=64, page_size=8)
+    want = [r.token_ids for r in plain.generate(prompts, max_new_tokens=24, ignore_eos=True)]
+    spec = specgraph.Engine(model, lowering="eager", num_blocks=64, page_size=8, draft="ngram", num_draft_tokens=3)
+    gate = spec.controller.lookups
+    gate.max_wait, gate.min_looks, gate.saving, gate.cost = 4, 0, 0.0, 1.0
+    gate.observe_saving = lambda seconds: None  # (keep it shut)
+    gate.spend = lambda seconds: None
+    assert [r.token_ids for r in spec.generate(prompts, max_new_tokens=24, ignore_eos=True)] == want
+    steps = spec.stats["decode_forwards"] // len(prompts)  # (every step decodes all three: the same budget)
+    assert spec.stats["draft_lookups_skipped"] >= steps - -(-steps // 4) - 1 > 0
