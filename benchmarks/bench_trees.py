@@ -13,7 +13,8 @@ runs (``engine.draft_tree``), so every row runs the same compiled program. Rows,
 * ``chain k``: ``num_draft_tokens = k`` for k = 4 and 8;
 * ``static:2,1,1,1`` (8 nodes, depth 4: the chain k=4's depth with the chain k=8's budget),
   ``static:3,2,1`` (15 nodes, depth 3), ``dynamic:8`` (8 nodes, EAGLE-2's confidence-ordered tree);
-  ``--shapes "chain 3;dynamic:16"`` picks others.
+  ``--shapes "chain 3;dynamic:16"`` picks others; ``default`` is the shape an engine built with no
+  ``draft_tree`` and ``adaptive=False`` drafts (learned drafts: timed at build, ``runtime/shape_choice.py``).
 
 Every (row, prompt) runs once per round, interleaved, rounds rotating the order (``--repeats``: the
 fastest of each). Prompts: the 6 benchmark prompts the project's speculation was developed on and
@@ -79,8 +80,10 @@ def run(engine, ids: list[int], n: int, temp: float) -> dict:
                 emitted=s.get("decode_emitted", 0), forwards=s.get("decode_forwards", 0))
 
 
-def configure(engine, shape: str) -> None:
-    if shape.startswith("chain"):
+def configure(engine, shape: str, default: tuple | None = None) -> None:
+    if shape == "default":  # what an engine built with no draft_tree and adaptive=False drafts
+        engine.draft_tree, engine.num_draft_tokens = default
+    elif shape.startswith("chain"):
         engine.draft_tree = None
         engine.num_draft_tokens = int(shape.split()[1])
     else:
@@ -99,16 +102,29 @@ def main(argv=None) -> int:
     engines = {"none": specgraph.Engine(model, tokenizer=tok)}
     from specgraph.runtime.token_tree import parse_tree
 
-    largest = max((s for s in args.shapes if not s.startswith("chain")),
-                  key=lambda s: parse_tree(s, 10**6).scratch_nodes)
+    from specgraph.runtime.proposers import kind_of
+    from specgraph.runtime.shape_choice import choose_default_shape
+
+    kind_trees = {d: kind_of(d).default_tree if kind_of(d) is not None else None for d in args.drafts}
+    if "default" in args.shapes and not all(kind_trees.values()):
+        raise SystemExit(f"--shapes default: a draft of {args.drafts} has no default tree (eagle and medusa do)")
+    trees = [s for s in args.shapes if s != "default" and not s.startswith("chain")]
+    trees += [t for t in kind_trees.values() if t and "default" in args.shapes]
+    largest = max(trees, key=lambda s: parse_tree(s, 10**6).scratch_nodes)
+    defaults = {}
     for draft in args.drafts:
         log(f"building the {draft} engine (room for {largest}, the shape that writes the most nodes)")
         engines[draft] = specgraph.Engine(model, tokenizer=tok, draft=draft, draft_tree=largest, adaptive=False)
+        if "default" in args.shapes:  # the choice Engine(draft=..., adaptive=False) makes at build
+            rates = choose_default_shape(engines[draft], parse_tree(kind_trees[draft], 10**6), 4)
+            defaults[draft] = (engines[draft].draft_tree, engines[draft].num_draft_tokens)
+            log(f"{draft}: default shape timed on the calibration prompts, tok/s: "
+                + ", ".join(f"{k} {v:.1f}" for k, v in rates.items()))
     warm = chat_prompt_ids(tok, WARMUP_PROMPT)
     rows = [("none", "-")] + [(d, s) for d in engines if d != "none" for s in args.shapes]
     for draft, shape in rows:
         if draft != "none":
-            configure(engines[draft], shape)
+            configure(engines[draft], shape, defaults.get(draft))
         engines[draft].generate([warm], max_new_tokens=8, ignore_eos=True)
     results: dict[tuple, dict] = {}
     for rnd in range(args.repeats):
@@ -117,7 +133,7 @@ def main(argv=None) -> int:
             for temp in temps:
                 for draft, shape in order:
                     if draft != "none":
-                        configure(engines[draft], shape)
+                        configure(engines[draft], shape, defaults.get(draft))
                     r = run(engines[draft], ids, n, temp)
                     key = (draft, shape, temp, i)
                     if key not in results or r["elapsed_s"] < results[key]["elapsed_s"]:
@@ -151,6 +167,9 @@ def main(argv=None) -> int:
                         mismatches.append(f"{draft} {shape} prompt {i}")
         headers = ["draft", "shape"] + [f"{g} {h}" for g in groups for h in ("tok/s", "vs none", "acc/fwd", "nodes")]
         lines += [f"temperature {temp}:", format_table(headers, table, right=set(range(2, len(headers)))), ""]
+    report["default_shapes"] = {d: tree or f"chain {k}" for d, (tree, k) in defaults.items()}
+    for draft, shape in report["default_shapes"].items():
+        lines.append(f"default: {draft} with adaptive=False and no draft_tree drafts {shape} here")
     lines.append("lossless (greedy tokens equal to none): " + ("yes" if not mismatches else "NO: " + ", ".join(mismatches)))
     print_report(lines, report, args.json)
     return 1 if mismatches else 0

@@ -25,6 +25,7 @@ from .scheduler import Request, Scheduler
 from .token_tree import keep_path, parse_tree
 from .prompts import GenerationResult, calibration_ids, encode_prompts, eos_ids
 from .scoring import score
+from .shape_choice import choose_default_shape
 
 
 class Engine:
@@ -56,7 +57,9 @@ class Engine:
         (``runtime/token_tree.py``): ``"static:W1,W2,..."`` (the draft's top-``W1`` at depth 1, top-``W2``
         under each at depth 2, ...) or ``"dynamic:N"`` (the ``N`` most confident nodes, EAGLE-2);
         ``num_draft_tokens`` is then ignored. Learned heads (``"eagle"``, ``"medusa"``) have their kind's
-        default tree; ``engine.draft_tree = None`` switches to chains.
+        default tree; with ``adaptive=False`` and no ``draft_tree``, the engine times that tree and the
+        chains within its depth on two built-in prompts and keeps the fastest (``runtime/shape_choice.py``;
+        the figures: ``engine.draft_shape_rates``). ``engine.draft_tree = None`` switches to chains.
     adaptive: let a controller choose each step's draft length per sequence (0 to
         ``num_draft_tokens``), or with a ``draft_tree`` the whole tree, a chain within its depth or
         nothing, from measured acceptance and cost (``runtime/controller.py``); the default when a
@@ -94,6 +97,7 @@ class Engine:
         from .proposers import kind_of
 
         kind = kind_of(draft)
+        shape_given = draft_tree is not None
         if draft_tree is None and kind is not None:  # (with adaptive, the largest shape the controller may use)
             draft_tree = kind.default_tree
         tree = None
@@ -162,8 +166,12 @@ class Engine:
         self._all_caches = list(self.kv_cache)
         if getattr(self.proposer, "shares_target_cache", True) is False:
             self._all_caches += list(self.proposer.kv_cache)
-        self.compile_seconds = time.perf_counter() - t0  # capture, passes, self-check and step graphs
         self._stats = EngineStats(self)
+        # fixed speculation in the kind's default shape: the fastest of its tree and chains on this machine
+        self.draft_shape_rates: dict[str, float] | None = None  # their tokens/s, when measured
+        if tree is not None and not shape_given and adaptive is False and not compile_in_background:
+            self.draft_shape_rates = choose_default_shape(self, tree, num_draft_tokens)
+        self.compile_seconds = time.perf_counter() - t0  # capture, passes, self-check, step graphs, shape choice
 
     # ------------------------------------------------------------------ public
     def generate(self, prompts, max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,

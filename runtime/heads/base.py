@@ -35,6 +35,7 @@ class DraftHead(nn.Module):
         self.draft_lm: torch.Tensor | None = None  # [draft_vocab, hidden]: the target's LM head rows of draft_ids
         self.compute_dtype: torch.dtype | None = None  # the float dtype of its features (its weights' at attach)
         self.weight_scheme: str | None = None  # how its linears are stored (None: float; see quantize)
+        self.identity: str | None = None  # kind, file digest and weight scheme, once loaded for a target
         self._draft_lm_product: nn.Module | None = None
 
     def attach(self, embed: torch.Tensor, lm_head: torch.Tensor) -> "DraftHead":
