@@ -58,7 +58,7 @@ class Engine:
         under each at depth 2, ...) or ``"dynamic:N"`` (the ``N`` most confident nodes, EAGLE-2);
         ``num_draft_tokens`` is then ignored. Learned heads (``"eagle"``, ``"medusa"``) have their kind's
         default tree; with ``adaptive=False`` and no ``draft_tree``, the engine times that tree and the
-        chains within its depth on two built-in prompts and keeps the fastest (``runtime/shape_choice.py``;
+        chains within its depth on four built-in prompts and keeps the fastest (``runtime/shape_choice.py``;
         the figures: ``engine.draft_shape_rates``). ``engine.draft_tree = None`` switches to chains.
     adaptive: let a controller choose each step's draft length per sequence (0 to
         ``num_draft_tokens``), or with a ``draft_tree`` the whole tree, a chain within its depth or

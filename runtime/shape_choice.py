@@ -4,15 +4,15 @@ A learned draft's kind names a default token tree (EAGLE's: ``static:2,1,1``, 7 
 a tree beats a chain depends on what verifying its tokens costs here: on a GPU a 7-token verify costs
 about a decode, on a 2-core CPU 1.2-1.5x one, and there chains of 2 won (``bench_trees.py``, held-out code:
 1.22x plain decoding against the tree's 0.98x). So an engine given a learned draft, no ``draft_tree`` and
-``adaptive=False`` times the candidates, the kind's tree and the chains within its depth, replying to two
-built-in prompts (one code task, one chat question; tuning material, never a report set), and keeps the
+``adaptive=False`` times the candidates, the kind's tree and the chains within its depth, replying to four
+built-in prompts (two code tasks, two chat questions; tuning material, never a report set), and keeps the
 fastest. The figures are kept beside the program's graph-cache entry, for this machine, head and weight
 format, so only the first build pays. With ``adaptive`` (the default) the controller makes this choice
 at every step instead, so nothing is measured.
 """
 from __future__ import annotations
 
-import statistics
+import hashlib
 import time
 from typing import Callable
 
@@ -23,6 +23,9 @@ CALIBRATION_PROMPTS = (
     "Write a Python function `word_counts(text)` that returns a dict mapping each lower-cased word to the "
     "number of times it appears, ignoring punctuation. Add a docstring and one example.",
     "What are three good ways to keep a houseplant healthy through the winter?",
+    "Write a JavaScript function that checks whether a string is a palindrome, ignoring case, spaces and "
+    "punctuation, with two example calls.",
+    "Explain the difference between weather and climate in a short paragraph.",
 )
 
 
@@ -55,19 +58,19 @@ def use_shape(engine, shape: tuple[str | None, int]) -> None:
 
 
 def measure_shapes(engine, shapes: dict[str, tuple[str | None, int]], prompts: list[list[int]],
-                   new_tokens: int = 40, rounds: int = 2) -> dict[str, float]:
-    """Tokens per second of greedy replies to ``prompts`` (one at a time: batch 1) in each shape, the median
-    of ``rounds`` rounds that take the shapes in turn (a slow moment of the machine hits one round)."""
+                   new_tokens: int = 64) -> dict[str, float]:
+    """Tokens per second of greedy replies to ``prompts`` (one at a time: batch 1) in each shape, over all the
+    prompts; each prompt runs every shape in turn, so a slow moment of the machine is shared out."""
     engine.generate(prompts, max_new_tokens=2)  # prompts prefilled and cached, first-call costs paid
-    samples: dict[str, list[float]] = {label: [] for label in shapes}
-    for _ in range(rounds):
+    tokens = dict.fromkeys(shapes, 0)
+    seconds = dict.fromkeys(shapes, 0.0)
+    for prompt in prompts:
         for label, shape in shapes.items():
             use_shape(engine, shape)
             t0 = time.perf_counter()
-            tokens = sum(len(engine.generate([p], max_new_tokens=new_tokens, ignore_eos=True)[0].token_ids)
-                         for p in prompts)
-            samples[label].append(tokens / (time.perf_counter() - t0))
-    return {label: statistics.median(s) for label, s in samples.items()}
+            tokens[label] += len(engine.generate([prompt], max_new_tokens=new_tokens, ignore_eos=True)[0].token_ids)
+            seconds[label] += time.perf_counter() - t0
+    return {label: tokens[label] / seconds[label] for label in shapes}
 
 
 def choose_shape(engine, shapes: dict[str, tuple[str | None, int]], prompts: list[list[int]], identity: str | None,
@@ -75,7 +78,9 @@ def choose_shape(engine, shapes: dict[str, tuple[str | None, int]], prompts: lis
     """Time ``shapes`` (or read the figures kept for this program, machine and draft ``identity``), make the
     engine draft in the fastest, and return the figures (tokens per second by label)."""
     labels = "_".join(label.replace(" ", "") for label in shapes)
-    path = measurement_path(engine.program.cache_key, f"draft-shape-{identity}-{labels}") if identity else None
+    material = hashlib.blake2b(repr(prompts).encode(), digest_size=4).hexdigest()  # (other prompts: measure again)
+    path = (measurement_path(engine.program.cache_key, f"draft-shape-{identity}-{labels}-{material}")
+            if identity else None)
     rates = read_json(path) if path is not None else None
     if not (isinstance(rates, dict) and set(rates) == set(shapes)):
         rates = measure(engine, shapes, prompts)

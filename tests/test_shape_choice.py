@@ -72,8 +72,7 @@ def test_measuring_times_every_shape_and_leaves_the_output_exact():
     want = [r.token_ids for r in plain.generate(prompts, max_new_tokens=12, ignore_eos=True)]
     engine = specgraph.Engine(model, lowering="eager", num_blocks=64, page_size=8, draft="ngram",
                               draft_tree="static:2,1,1", adaptive=False)
-    rates = measure_shapes(engine, candidate_shapes(parse_tree("static:2,1,1", 16), 4), prompts, new_tokens=6,
-                           rounds=1)
+    rates = measure_shapes(engine, candidate_shapes(parse_tree("static:2,1,1", 16), 4), prompts, new_tokens=6)
     assert set(rates) == {"static:2,1,1", "chain 1", "chain 2", "chain 3"} and min(rates.values()) > 0
     assert [r.token_ids for r in engine.generate(prompts, max_new_tokens=12, ignore_eos=True)] == want
 
