@@ -1,9 +1,10 @@
 """The draft shape of fixed speculation (``adaptive=False``) when none is given: measured on this machine.
 
 A learned draft's kind names a default token tree (EAGLE's: ``static:2,1,1``, 7 tokens a verify). Whether
-a tree beats a chain depends on what verifying its tokens costs here: on a GPU a 7-token verify costs
-about a decode, on a 2-core CPU 1.2-1.5x one, and there chains of 2 won (``bench_trees.py``, held-out code:
-1.22x plain decoding against the tree's 0.98x). So an engine given a learned draft, no ``draft_tree`` and
+a tree beats a chain depends on what verifying its tokens costs here: on a 2-core CPU a 7-token verify
+costs 1.2-1.5x a decode, and chains of 2 won (``bench_trees.py``, held-out code: 1.22x plain decoding
+against the tree's 0.98x); where a step's cost barely grows with its tokens, the tree's extra paths
+are nearly free. So an engine given a learned draft, no ``draft_tree`` and
 ``adaptive=False`` times the candidates, the kind's tree and the chains within its depth, replying to four
 built-in prompts (two code tasks, two chat questions; tuning material, never a report set), and keeps the
 fastest. The figures are kept beside the program's graph-cache entry, for this machine, head and weight
