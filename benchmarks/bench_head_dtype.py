@@ -35,8 +35,11 @@ def main(argv=None) -> int:
     quiet_torch(args.threads)
     print(cpu_description(), flush=True)
     model, tok = specgraph.load_model()
+    from specgraph.runtime.proposers import kind_of
+
     spec = specgraph.Engine(model, tokenizer=tok, draft=args.head, adaptive=False, prefix_caching=False,
-                            draft_weight_dtype="auto")
+                            draft_weight_dtype="auto",  # the kind's tree given: its rows set each shape
+                            draft_tree=kind_of(args.head).default_tree)
     plain = specgraph.Engine(model, tokenizer=tok, prefix_caching=False)
     heads = {}
     for dtype in args.dtypes.split(","):

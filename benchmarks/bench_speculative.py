@@ -156,6 +156,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     quiet_torch(args.threads)
     import specgraph
+    from specgraph.runtime.proposers import kind_of
 
     t_start = time.perf_counter()
     cells = make_cells(args)
@@ -222,9 +223,11 @@ def main(argv=None) -> int:
     for name, draft in drafts:
         log(f"compiling Engine draft={draft}")
         t0 = time.perf_counter()
+        kind = kind_of(draft)  # (a learned head's tree given: no build-time shape choice, rows set each shape)
         engines[name] = specgraph.Engine(model, tokenizer=tok, page_size=16, prefix_caching=False,
                                          num_blocks=num_blocks, draft=draft, num_draft_tokens=args.ks[0],
-                                         adaptive=False if draft else None)  # rows are fixed k
+                                         adaptive=False if draft else None,  # rows are fixed k
+                                         draft_tree=kind.default_tree if kind is not None else None)
         compile_s[name] = time.perf_counter() - t0
         log(f"  built in {compile_s[name]:.1f} s")
     report["engine_build_s"] = compile_s

@@ -116,7 +116,8 @@ def main(argv=None) -> int:
         log(f"building the {draft} engine (room for {largest}, the shape that writes the most nodes)")
         engines[draft] = specgraph.Engine(model, tokenizer=tok, draft=draft, draft_tree=largest, adaptive=False)
         if "default" in args.shapes:  # the choice Engine(draft=..., adaptive=False) makes at build
-            rates = choose_default_shape(engines[draft], parse_tree(kind_trees[draft], 10**6), 4)
+            rates = choose_default_shape(engines[draft], parse_tree(kind_trees[draft], 10**6),
+                                         4)  # (the Engine's default num_draft_tokens)
             defaults[draft] = (engines[draft].draft_tree, engines[draft].num_draft_tokens)
             log(f"{draft}: default shape timed on the calibration prompts, tok/s: "
                 + ", ".join(f"{k} {v:.1f}" for k, v in rates.items()))
