@@ -80,7 +80,8 @@ def choose_shape(engine, shapes: dict[str, tuple[str | None, int]], prompts: lis
     engine draft in the fastest, and return the figures (tokens per second by label)."""
     labels = "_".join(label.replace(" ", "") for label in shapes)
     material = hashlib.blake2b(repr(prompts).encode(), digest_size=4).hexdigest()  # (other prompts: measure again)
-    path = (measurement_path(engine.program.cache_key, f"draft-shape-{identity}-{labels}-{material}")
+    program = engine.program  # (its key names the graph, not how its steps run)
+    path = (measurement_path(program.cache_key, f"draft-shape-{identity}-{program.lowering}-{labels}-{material}")
             if identity else None)
     rates = read_json(path) if path is not None else None
     if not (isinstance(rates, dict) and set(rates) == set(shapes)):

@@ -70,12 +70,16 @@ def test_tree_speculation_greedy_equals_plain(smollm2):
 
 
 def test_shipped_eagle_head_is_found_accepts_and_keeps_greedy_output(smollm2):
-    """draft="eagle" picks the head shipped for SmolLM2 (by its fingerprint) with its default tree; greedy output
-    equals plain decoding at batch 1 and 4, on chains and trees; the head's drafts are accepted (a trained head)."""
+    """draft="eagle" picks the head shipped for SmolLM2 (by its fingerprint) with its default tree, and with
+    adaptive=False drafts whichever of that tree and its chains it timed fastest; greedy output equals plain
+    decoding at batch 1 and 4, on chains and trees; the head's drafts are accepted (a trained head)."""
     model, tok, engine, prompts = smollm2
     plain = engine.generate(prompts[:4], max_new_tokens=40, ignore_eos=True)
     spec = specgraph.Engine(model, tokenizer=tok, page_size=16, draft="eagle", adaptive=False, lowering="eager")
-    assert spec.draft_tree == "static:2,1,1" and spec.proposer.name == "eagle"
+    assert spec.default_tree == "static:2,1,1" and spec.proposer.name == "eagle"
+    rates = spec.draft_shape_rates
+    assert set(rates) == {"static:2,1,1", "chain 1", "chain 2", "chain 3"}
+    assert (spec.draft_tree or f"chain {spec.num_draft_tokens}") == max(rates, key=rates.get)
     for tree in ("static:2,1,1", "static:2,1", None):
         spec.draft_tree = tree
         for batch in (prompts[:1], prompts[:4]):
