@@ -80,6 +80,7 @@ def test_shipped_eagle_head_is_found_accepts_and_keeps_greedy_output(smollm2):
     rates = spec.draft_shape_rates
     assert set(rates) == {"static:2,1,1", "chain 1", "chain 2", "chain 3"}
     assert (spec.draft_tree or f"chain {spec.num_draft_tokens}") == max(rates, key=rates.get)
+    spec.num_draft_tokens = 4  # (None below: chains of 4, whatever the choice set)
     for tree in ("static:2,1,1", "static:2,1", None):
         spec.draft_tree = tree
         for batch in (prompts[:1], prompts[:4]):
