@@ -9,6 +9,7 @@ from hypothesis import given, settings, strategies as st
 
 import specgraph
 from specgraph.runtime.controller import Acceptance, SpeculationController
+from specgraph.runtime.draining import finish_seconds
 from specgraph.runtime.forward_cost import ForwardCost
 from specgraph.runtime.proposers import Draft
 from models import make_family, random_prompts
@@ -127,8 +128,8 @@ def test_expected_worth_of_a_draining_step_is_the_mean_over_its_outcomes(batch):
         p = 1.0
         for g, x in zip(gains, xs):
             p *= (g[x - 1] if x else 1.0) - (g[x] if x < len(g) else 0.0)
-        after = ctl._finish_seconds([r - 1 - x for r, x in zip(remaining, xs)], costs)
-        mean += p * (ctl._finish_seconds(remaining, costs) - after)
+        after = finish_seconds([r - 1 - x for r, x in zip(remaining, xs)], costs)
+        mean += p * (finish_seconds(remaining, costs) - after)
     assert ctl.expected_worth(remaining, gains) == pytest.approx(mean, abs=1e-9)
 
 
