@@ -8,7 +8,7 @@ are nearly free. So an engine given a learned draft, no ``draft_tree`` and
 ``adaptive=False`` times the candidates, the kind's tree and the chains within its depth, replying to four
 built-in prompts (two code tasks, two chat questions; tuning material, never a report set), and keeps the
 fastest. The figures are kept beside the program's graph-cache entry, for this machine, head and weight
-format, so only the first build pays. With ``adaptive`` (the default) the controller makes this choice
+storage, so only the first build pays. With ``adaptive`` (the default) the controller makes this choice
 at every step instead, so nothing is measured.
 """
 from __future__ import annotations
@@ -99,5 +99,6 @@ def choose_default_shape(engine, tree: TreeShape, num_draft_tokens: int) -> dict
     prompts = calibration_prompts(engine.tokenizer)
     if prompts is None:
         return None
-    identity = getattr(getattr(engine.proposer, "head", None), "identity", None)
+    head = getattr(engine.proposer, "head", None)
+    identity = head.identity() if head is not None else None
     return choose_shape(engine, candidate_shapes(tree, num_draft_tokens), prompts, identity)

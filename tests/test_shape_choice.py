@@ -86,6 +86,11 @@ def test_an_eagle_engine_without_a_shape_measures_its_default_only_when_speculat
     best = max(fixed.draft_shape_rates, key=fixed.draft_shape_rates.get)
     assert (fixed.draft_tree or f"chain {fixed.num_draft_tokens}") == best
     assert fixed.stats["generated_tokens"] == 0  # (the timing runs are not counted)
+    head = fixed.proposer.head  # what names the kept figures: kind, the file's digest, the weight storage
+    assert head.identity().startswith("eagle-") and head.identity().endswith("-int8")
+    other = save_head(_head(model, VOCAB, 40, seed=1), tmp_path / "other.safetensors")
+    mine, head.source = head.identity(), other
+    assert head.identity() != mine
     assert specgraph.Engine(model, **common).draft_shape_rates is None  # adaptive: the controller chooses
     given = specgraph.Engine(model, adaptive=False, draft_tree="static:2,1,1", **common)
     assert given.draft_shape_rates is None and given.draft_tree == "static:2,1,1"  # a given shape is kept

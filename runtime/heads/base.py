@@ -35,8 +35,16 @@ class DraftHead(nn.Module):
         self.draft_lm: torch.Tensor | None = None  # [draft_vocab, hidden]: the target's LM head rows of draft_ids
         self.compute_dtype: torch.dtype | None = None  # the float dtype of its features (its weights' at attach)
         self.weight_scheme: str | None = None  # how its linears are stored (None: float; see quantize)
-        self.identity: str | None = None  # kind, file digest and weight scheme, once loaded for a target
+        self.source: Path | None = None  # the file it was loaded from (see identity)
         self._draft_lm_product: nn.Module | None = None
+
+    def identity(self) -> str | None:
+        """Its kind, file digest and weight storage, naming measurements kept across engine builds
+        (``runtime/shape_choice.py``); None for a head not loaded from a file."""
+        if self.source is None:
+            return None
+        digest = hashlib.blake2b(Path(self.source).read_bytes(), digest_size=8).hexdigest()
+        return f"{self.kind}-{digest}-{self.weight_scheme or 'float'}"
 
     def attach(self, embed: torch.Tensor, lm_head: torch.Tensor) -> "DraftHead":
         """Use the target's token embedding and LM head (``[vocab, hidden]`` each); clear errors on a mismatch."""

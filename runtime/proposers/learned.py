@@ -2,7 +2,6 @@
 that kind shipped for this very target (matched by its fingerprint)."""
 from __future__ import annotations
 
-import hashlib
 import json
 import warnings
 from pathlib import Path
@@ -45,8 +44,7 @@ def load_target_head(arg: str, ctx: DraftContext, cls: type[DraftHead]) -> Draft
     scheme = default_head_scheme(ctx.device) if ctx.weight_dtype is None else ctx.weight_dtype
     if scheme != "auto":
         head.quantize(scheme)
-    # what the head is, for measurements kept across engine builds (runtime/shape_choice.py)
-    head.identity = f"{kind}-{hashlib.blake2b(path.read_bytes(), digest_size=8).hexdigest()}-{scheme}"
+    head.source = path
     return head.eval()
 
 
