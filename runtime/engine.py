@@ -57,9 +57,8 @@ class Engine:
         (``runtime/token_tree.py``): ``"static:W1,W2,..."`` (the draft's top-``W1`` at depth 1, top-``W2``
         under each at depth 2, ...) or ``"dynamic:N"`` (the ``N`` most confident nodes, EAGLE-2);
         ``num_draft_tokens`` is then ignored. Learned heads (``"eagle"``, ``"medusa"``) have their kind's
-        default tree; with ``adaptive=False`` and no ``draft_tree``, the engine times that tree and the
-        chains within its depth on four built-in prompts and keeps the fastest (``runtime/shape_choice.py``;
-        the figures: ``engine.draft_shape_rates``). ``engine.draft_tree = None`` switches to chains.
+        default tree (``adaptive=False``: it or a chain within its depth, whichever is timed fastest at build,
+        ``engine.draft_shape_rates``, ``runtime/shape_choice.py``); ``engine.draft_tree = None``: chains.
     adaptive: let a controller choose each step's draft length per sequence (0 to
         ``num_draft_tokens``), or with a ``draft_tree`` the whole tree, a chain within its depth or
         nothing, from measured acceptance and cost (``runtime/controller.py``); the default when a
@@ -96,9 +95,8 @@ class Engine:
         calibration = calibration_ids(weight_calibration, weight_dtype, tokenizer)
         from .proposers import kind_of
 
-        kind = kind_of(draft)
-        shape_given = draft_tree is not None
-        if draft_tree is None and kind is not None:  # (with adaptive, the largest shape the controller may use)
+        shape_given, kind = draft_tree is not None, kind_of(draft)
+        if not shape_given and kind is not None:  # (with adaptive, the largest shape the controller may use)
             draft_tree = kind.default_tree
         tree = None
         if draft_tree is not None:
@@ -167,8 +165,7 @@ class Engine:
         if getattr(self.proposer, "shares_target_cache", True) is False:
             self._all_caches += list(self.proposer.kv_cache)
         self._stats = EngineStats(self)
-        # fixed speculation in the kind's default shape: the fastest of its tree and chains on this machine
-        self.draft_shape_rates: dict[str, float] | None = None  # their tokens/s, when measured
+        self.draft_shape_rates: dict[str, float] | None = None  # fixed speculation, kind's shape: tok/s timed
         if tree is not None and not shape_given and adaptive is False and not compile_in_background:
             self.draft_shape_rates = choose_default_shape(self, tree, num_draft_tokens)
         self.compile_seconds = time.perf_counter() - t0  # capture, passes, self-check, step graphs, shape choice
