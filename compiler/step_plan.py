@@ -19,6 +19,10 @@ import torch.fx as fx
 from ..passes.graph_utils import attr_value
 
 _TIMED_BYTES = 160 << 20  # weights streamed by choose_buckets' timing (over any L3)
+_PREFETCH_TIMED_BYTES = 256 << 20  # by set_panel_prefetch's: a step's memory stream, not a cached one
+#: set_panel_prefetch times nothing for a model with fewer bytes of float32 weights (they stay in cache,
+#: where prefetching decides nothing) and leaves the process's setting as it is
+PREFETCH_MIN_BYTES = 64 << 20
 
 #: CUDA: static graphs for these stream sizes (a decode of 1 and of up to 8 sequences); larger
 #: steps run the dynamic graph. Not yet captured as CUDA graphs: that needs a GPU to test on.
@@ -71,15 +75,8 @@ def choose_buckets(gm: fx.GraphModule, device: torch.device, panel_linears: bool
                                  f"{buckets} tokens")
     if not torch.backends.mkldnn.is_available():
         return StepPlan((), "CPU without oneDNN: every step runs the dynamic graph")
-    weights, total = [], 0
-    for node in gm.graph.nodes:  # the model's own weights, in order, until they exceed any CPU cache
-        if node.op == "call_function" and node.target == torch.ops.aten.linear.default and total < _TIMED_BYTES:
-            w = node.args[1]
-            if isinstance(w, fx.Node) and w.op == "get_attr":
-                t = attr_value(gm, w.target)
-                if isinstance(t, torch.Tensor) and t.dim() == 2 and t.dtype == torch.float32:
-                    weights.append(t.detach())
-                    total += t.numel() * 4
+    weights = _float32_weights(gm, _TIMED_BYTES)
+    total = sum(w.numel() * 4 for w in weights)
     if not weights:
         if any(n.op == "call_function" and n.target == torch.ops.specgraph.quant_linear.default for n in gm.graph.nodes):
             return StepPlan((1, 8), "quantized linears (specgraph's kernel at any row count) -> static graphs for "
@@ -121,6 +118,44 @@ def set_bf16_products(gm: fx.GraphModule, key: str | None) -> str:
     if path is not None:
         write_json(path, dict(native=native, line=line))
     return line
+
+
+def set_panel_prefetch(gm: fx.GraphModule, key: str | None) -> str:
+    """How far ahead the panel kernel prefetches (:func:`~specgraph.kernels.panel_linear.choose_prefetch`),
+    measured once per machine and kept beside the step plan; the process-wide setting is made on every
+    build, from the kept choice or a new measurement. Returns what was measured and chosen ("" for a
+    model under :data:`PREFETCH_MIN_BYTES`: nothing timed, the setting unchanged)."""
+    from ..kernels import cpu_kernels, panel_linear
+    from .graph_cache import measurement_path, read_json, write_json
+
+    module = cpu_kernels.load()
+    weights = _float32_weights(gm, _PREFETCH_TIMED_BYTES)
+    if module is None or sum(w.numel() * 4 for w in weights) < min(PREFETCH_MIN_BYTES, _PREFETCH_TIMED_BYTES):
+        return ""
+    path = measurement_path(key, "panel-prefetch")
+    kept = read_json(path) if path is not None else None
+    if (isinstance(kept, dict) and isinstance(kept.get("line"), str) and isinstance(kept.get("ahead"), list)
+            and len(kept["ahead"]) == 2 and all(isinstance(d, int) and d >= 0 for d in kept["ahead"])):
+        module.set_panel_prefetch(*kept["ahead"])
+        return "as measured by an earlier build on this machine: " + kept["line"]
+    ahead, line = panel_linear.choose_prefetch(weights)
+    if path is not None:
+        write_json(path, dict(ahead=list(ahead), line=line))
+    return line
+
+
+def _float32_weights(gm: fx.GraphModule, limit: int) -> list[torch.Tensor]:
+    """The graph's float32 linear weights, in order, until they exceed ``limit`` bytes."""
+    weights, total = [], 0
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target == torch.ops.aten.linear.default and total < limit:
+            w = node.args[1]
+            if isinstance(w, fx.Node) and w.op == "get_attr":
+                t = attr_value(gm, w.target)
+                if isinstance(t, torch.Tensor) and t.dim() == 2 and t.dtype == torch.float32:
+                    weights.append(t.detach())
+                    total += t.numel() * 4
+    return weights
 
 
 def _bf16_weights(gm: fx.GraphModule) -> list[torch.Tensor]:
@@ -200,9 +235,13 @@ def starting_plan(gm: fx.GraphModule, device: torch.device, key: str | None, low
     the ``buckets`` given; else, where timings mean
     something (``timed``), the plan an earlier build of the program kept on this kind of machine; else
     :func:`choose_buckets`' measurement. Where timings mean something, bfloat16 weights' products are
-    set too (:func:`set_bf16_products`, whatever the buckets); a new plan's reason says how (a kept one's
+    set too (:func:`set_bf16_products`, whatever the buckets), and with ``panel_linears`` the panel
+    kernel's prefetch (:func:`set_panel_prefetch`); a new plan's reason says how (a kept one's
     already does)."""
     products = set_bf16_products(gm, key) if timed else ""
+    if timed and panel_linears:
+        prefetch = set_panel_prefetch(gm, key)
+        products = "; ".join(p for p in (products, prefetch) if p)
     if buckets is not None:
         plan, cached = StepPlan(tuple(buckets), f"buckets {buckets} given"), False
     else:

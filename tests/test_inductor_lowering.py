@@ -94,23 +94,28 @@ def test_inductor_engine_equals_reference_and_never_recompiles(family, tmp_path)
 
 
 def test_a_second_build_on_this_machine_runs_the_plan_the_first_measured(tmp_path, monkeypatch):
-    """The step plan (buckets kept by whole-step timing, the dynamic graph's padding) is kept beside the
-    graph-cache entry: a second engine of the model compiles only the kept graphs, times nothing,
-    and generates the same tokens; an unreadable plan file counts as none."""
+    """The step plan (buckets kept by whole-step timing, the dynamic graph's padding, the panel kernel's
+    prefetch) is kept beside the graph-cache entry: a second engine of the model compiles only the kept
+    graphs, times nothing, and generates the same tokens; an unreadable plan file counts as none."""
     from specgraph.compiler import step_plan
 
     monkeypatch.setenv("SPECGRAPH_GRAPH_CACHE", str(tmp_path))
+    monkeypatch.setattr(step_plan, "PREFETCH_MIN_BYTES", 0)  # (the tiny model's prefetch timing means nothing, but runs)
     model = make_family("llama")
     build = lambda: specgraph.Engine(model, lowering="inductor", page_size=8, num_blocks=48, self_check=False)  # noqa: E731
     first = build()
     assert not first.program.step_plan.startswith("as measured"), first.program.step_plan
     saved = list((tmp_path / "measurements").glob("*step-plan-*.json"))
     assert len(saved) == 1
+    if first.program._steps.panel_linears:  # the panel kernel's prefetch distances, measured and kept too
+        assert "panel linears, ms with prefetch" in first.program.step_plan, first.program.step_plan
+        assert len(list((tmp_path / "measurements").glob("*panel-prefetch*.json"))) == 1
 
     def no_timing(*args, **kwargs):
         raise AssertionError("a cached plan must not be measured again")
 
     monkeypatch.setattr(step_plan, "choose_buckets", no_timing)
+    monkeypatch.setattr("specgraph.kernels.panel_linear.choose_prefetch", no_timing)
     monkeypatch.setattr("specgraph.compiler.inductor.StepGraphs.keep_faster_buckets", no_timing)
     monkeypatch.setattr("specgraph.compiler.inductor.StepGraphs.measure_padding", no_timing)
     second = build()

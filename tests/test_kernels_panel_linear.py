@@ -2,6 +2,8 @@
 each row bitwise independent of the others (row count, tiling, threads), fuzzed with hypothesis."""
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -42,8 +44,41 @@ def test_panel_linear_matches_the_reference_and_each_row_is_independent_of_the_o
         assert torch.equal(ops.panel_linear(x[rows[0]], panels, bias, n), y[rows[0]])  # a 1-d input: one row
         torch.set_num_threads(1 if threads > 1 else 2)
         assert torch.equal(ops.panel_linear(x, panels, bias, n), y)
+        # prefetching (any distance, past the panel's end included) changes no bit
+        ahead = data.draw(st.sampled_from([0, 1, 8, 16, 32, 500]), label="ahead")
+        with _prefetch(ahead, ahead):
+            assert torch.equal(ops.panel_linear(x, panels, bias, n), y)
+            assert torch.equal(ops.panel_linear(x[rows[:1]], panels, bias, n), y[rows[:1]])
     finally:
         torch.set_num_threads(before)
+
+
+@contextlib.contextmanager
+def _prefetch(single: int, multi: int):
+    from specgraph.kernels import cpu_kernels
+
+    previous = cpu_kernels.load().set_panel_prefetch(single, multi)
+    try:
+        yield
+    finally:
+        cpu_kernels.load().set_panel_prefetch(*previous)
+
+
+def test_the_prefetch_distances_are_chosen_by_timing_and_bad_ones_are_named():
+    from specgraph.kernels import cpu_kernels
+    from specgraph.kernels.panel_linear import PREFETCH_DISTANCES, choose_prefetch
+
+    _ops()
+    module = cpu_kernels.load()
+    weights = [torch.randn(200, 64), torch.randn(64, 200)]
+    with _prefetch(3, 5):
+        (single, multi), line = choose_prefetch(weights, repeats=1)
+        assert single in PREFETCH_DISTANCES and multi in PREFETCH_DISTANCES
+        assert module.set_panel_prefetch(single, multi) == [single, multi]  # the choice was set
+        assert f"-> {single} ahead for 1 row, {multi} for more" in line and "4 rows" in line
+        with pytest.raises(RuntimeError, match="distances must be >= 0"):
+            module.set_panel_prefetch(-1, 0)
+    assert choose_prefetch([])[0] == (0, 0)
 
 
 def test_panel_linear_keeps_leading_dims_and_empty_inputs():
