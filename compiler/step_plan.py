@@ -19,9 +19,8 @@ import torch.fx as fx
 from ..passes.graph_utils import attr_value
 
 _TIMED_BYTES = 160 << 20  # weights streamed by choose_buckets' timing (over any L3)
-_PREFETCH_TIMED_BYTES = 256 << 20  # by set_panel_prefetch's: a step's memory stream, not a cached one
-#: set_panel_prefetch times nothing for a model with fewer bytes of float32 weights (they stay in cache,
-#: where prefetching decides nothing) and leaves the process's setting as it is
+_PREFETCH_TIMED_BYTES = 256 << 20  # by set_prefetch's: a step's memory stream, not a cached one
+#: set_prefetch times a kernel only over at least this many bytes of its weights (see there)
 PREFETCH_MIN_BYTES = 64 << 20
 
 #: CUDA: static graphs for these stream sizes (a decode of 1 and of up to 8 sequences); larger
@@ -120,28 +119,46 @@ def set_bf16_products(gm: fx.GraphModule, key: str | None) -> str:
     return line
 
 
-def set_panel_prefetch(gm: fx.GraphModule, key: str | None) -> str:
-    """How far ahead the panel kernel prefetches (:func:`~specgraph.kernels.panel_linear.choose_prefetch`),
-    measured once per machine and kept beside the step plan; the process-wide setting is made on every
-    build, from the kept choice or a new measurement. Returns what was measured and chosen ("" for a
-    model under :data:`PREFETCH_MIN_BYTES`: nothing timed, the setting unchanged)."""
-    from ..kernels import cpu_kernels, panel_linear
+def set_prefetch(gm: fx.GraphModule, key: str | None, panel_linears: bool) -> str:
+    """How far ahead the C++ linears prefetch their weights (``kernels/prefetch.py``): the panel kernel's
+    distances (with ``panel_linears``) and the quantized kernel's, each measured once per machine over
+    the program's own weights and kept beside the step plan; the process-wide settings are made on every
+    build, from the kept choice or a new measurement. A kernel whose weights here total under
+    :data:`PREFETCH_MIN_BYTES` (they stay in cache, where prefetching decides nothing) is not timed and
+    its setting is left as it is. Returns what was measured and chosen ("" where nothing was)."""
+    from ..kernels import cpu_kernels, prefetch
     from .graph_cache import measurement_path, read_json, write_json
 
     module = cpu_kernels.load()
-    weights = _float32_weights(gm, _PREFETCH_TIMED_BYTES)
-    if module is None or sum(w.numel() * 4 for w in weights) < min(PREFETCH_MIN_BYTES, _PREFETCH_TIMED_BYTES):
+    if module is None:
         return ""
-    path = measurement_path(key, "panel-prefetch")
+    floats = _float32_weights(gm, _PREFETCH_TIMED_BYTES) if panel_linears else []
+    quantized = _quant_linears(gm, _PREFETCH_TIMED_BYTES)
+    floats = floats if sum(w.numel() * w.element_size() for w in floats) >= PREFETCH_MIN_BYTES else []
+    quantized = quantized if sum(w.numel() * w.element_size() for w, _, _ in quantized) >= PREFETCH_MIN_BYTES else []
+    if not floats and not quantized:
+        return ""
+    path = measurement_path(key, "prefetch" + ("-panel" if floats else "") + ("-quant" if quantized else ""))
     kept = read_json(path) if path is not None else None
-    if (isinstance(kept, dict) and isinstance(kept.get("line"), str) and isinstance(kept.get("ahead"), list)
-            and len(kept["ahead"]) == 2 and all(isinstance(d, int) and d >= 0 for d in kept["ahead"])):
-        module.set_panel_prefetch(*kept["ahead"])
-        return "as measured by an earlier build on this machine: " + kept["line"]
-    ahead, line = panel_linear.choose_prefetch(weights)
+    try:
+        panel, quant, line = kept.get("panel"), kept.get("quant"), str(kept["line"])
+        if floats:
+            module.set_panel_prefetch(*(int(d) for d in panel))
+        if quantized:
+            module.set_quant_prefetch(int(quant))
+        return "as measured by an earlier build on this machine: " + line
+    except (AttributeError, TypeError, KeyError, ValueError, RuntimeError):  # none kept, or unreadable
+        pass
+    panel, quant, lines = None, None, []
+    if floats:
+        panel, panel_line = prefetch.choose_panel_prefetch(floats)
+        lines.append(panel_line)
+    if quantized:
+        quant, quant_line = prefetch.choose_quant_prefetch(quantized)
+        lines.append(quant_line)
     if path is not None:
-        write_json(path, dict(ahead=list(ahead), line=line))
-    return line
+        write_json(path, dict(panel=panel, quant=quant, line="; ".join(lines)))
+    return "; ".join(lines)
 
 
 def _float32_weights(gm: fx.GraphModule, limit: int) -> list[torch.Tensor]:
@@ -156,6 +173,24 @@ def _float32_weights(gm: fx.GraphModule, limit: int) -> list[torch.Tensor]:
                     weights.append(t.detach())
                     total += t.numel() * 4
     return weights
+
+
+def _quant_linears(gm: fx.GraphModule, limit: int) -> list[tuple[torch.Tensor, torch.Tensor | None, str]]:
+    """The graph's quantized linears as ``(weight, scales, scheme)``, each weight once, in graph order,
+    until they exceed ``limit`` bytes."""
+    seen, out, total = set(), [], 0
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target != torch.ops.specgraph.quant_linear.default or total >= limit:
+            continue
+        w, scales = node.args[1], node.args[2]
+        scheme = node.args[4] if len(node.args) > 4 else node.kwargs.get("scheme")
+        if isinstance(w, fx.Node) and w.op == "get_attr" and w.target not in seen:
+            seen.add(w.target)
+            weight = attr_value(gm, w.target).detach()
+            scale = attr_value(gm, scales.target).detach() if isinstance(scales, fx.Node) else None
+            out.append((weight, scale, scheme))
+            total += weight.numel() * weight.element_size()
+    return out
 
 
 def _bf16_weights(gm: fx.GraphModule) -> list[torch.Tensor]:
@@ -235,13 +270,11 @@ def starting_plan(gm: fx.GraphModule, device: torch.device, key: str | None, low
     the ``buckets`` given; else, where timings mean
     something (``timed``), the plan an earlier build of the program kept on this kind of machine; else
     :func:`choose_buckets`' measurement. Where timings mean something, bfloat16 weights' products are
-    set too (:func:`set_bf16_products`, whatever the buckets), and with ``panel_linears`` the panel
-    kernel's prefetch (:func:`set_panel_prefetch`); a new plan's reason says how (a kept one's
-    already does)."""
+    set too (:func:`set_bf16_products`, whatever the buckets), and the linears' prefetch distances
+    (:func:`set_prefetch`); a new plan's reason says how (a kept one's already does)."""
     products = set_bf16_products(gm, key) if timed else ""
-    if timed and panel_linears:
-        prefetch = set_panel_prefetch(gm, key)
-        products = "; ".join(p for p in (products, prefetch) if p)
+    if timed:
+        products = "; ".join(p for p in (products, set_prefetch(gm, key, panel_linears)) if p)
     if buckets is not None:
         plan, cached = StepPlan(tuple(buckets), f"buckets {buckets} given"), False
     else:

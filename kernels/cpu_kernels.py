@@ -89,7 +89,7 @@ def load():
                     functions=["paged_attention_short", "paged_attention_quant_short", "quant_attention_applies",
                                "paged_attention_mixed_short",
                                "quant_cache_write_cpu", "quant_cache_write_applies", "cache_write_rows", "quant_linear_cpu",
-                               "quant_linear_applies", "set_bf16_dots", "set_panel_prefetch",
+                               "quant_linear_applies", "set_bf16_dots", "set_panel_prefetch", "set_quant_prefetch",
                                "bf16_dot_available"],
                     extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"], extra_ldflags=["-fopenmp"],
                     verbose=False)

@@ -19,7 +19,7 @@
 // Tiling: each thread owns a range of output channels; a tile is R rows of x by NB weight rows
 // (NB = 4 for one row of x, else 2), so each weight byte is loaded once per R rows (R up to 4).
 // Large row counts loop over chunks of weight rows that stay in L2 while every 4-row tile of x
-// passes over them. The weight streams are prefetched kAhead bytes ahead (without it, weight rows
+// passes over them. The weight streams are prefetched g_ahead bytes ahead (without it, weight rows
 // streamed at 15 GB/s instead of 19). Without AVX2 the same numbers come from scalar loops.
 //
 // Batch invariance: an output's accumulation is the same whatever tile (R, NB) computes it, and
@@ -35,7 +35,9 @@ namespace specgraph_qlinear {
 constexpr int64_t kBlock = 32;  // activation block (quant_linear.ACT_BLOCK)
 constexpr float kActMax = 127.f;  // quant_linear.ACT_MAX
 constexpr int64_t kChunk = 32;  // weight rows per L2-resident chunk when x has many rows
-constexpr int64_t kAhead = 2048;  // bytes prefetched ahead of a weight stream
+// bytes prefetched ahead of a weight stream: process-wide, set by measurement (kernels/prefetch.py;
+// SmolLM2's int8 linears on an Intel Xeon, 1 row: 5.0 ms at 2 KiB ahead, 3.6 at 8 KiB)
+static int64_t g_ahead = 2048;
 
 // Activations of one call, rounded: codes [M, K], each block's columns reordered even first (to
 // line up with the weight nibbles), per-block steps [M, K / 32] and step * sum(codes) per block.
@@ -150,7 +152,7 @@ static inline void int4_tile(const QuantizedRows& q, int64_t m0, const uint8_t* 
       for (int j = 0; j < NB; ++j) {
         const uint8_t* p = w + (n + j) * (K / 2) + blk * (kBlock / 2);
         wv[j] = unpack_int4(p);
-        if ((blk & 3) == 0) prefetch(p + kAhead);
+        if ((blk & 3) == 0) prefetch(p + g_ahead);
       }
       for (int r = 0; r < R; ++r) {
         const __m256i xv = load32(q.codes.data() + (m0 + r) * K + blk * kBlock);
@@ -251,7 +253,7 @@ static inline void widened_lanes(const float* x, int64_t m0, const typename W::T
     typename L::V wv[NB];
     for (int j = 0; j < NB; ++j) wv[j] = L::template widen<W>(w + (n + j) * K + k);
     if (k % (64 / sizeof(typename W::T)) == 0)  // one prefetch per 64-byte line
-      for (int j = 0; j < NB; ++j) prefetch(reinterpret_cast<const char*>(w + (n + j) * K + k) + kAhead);
+      for (int j = 0; j < NB; ++j) prefetch(reinterpret_cast<const char*>(w + (n + j) * K + k) + g_ahead);
     for (int r = 0; r < R; ++r) {
       const typename L::V xv = L::load(x + (m0 + r) * K + k);
       for (int j = 0; j < NB; ++j) acc[r][j] = L::fma(wv[j], xv, acc[r][j]);
@@ -284,7 +286,7 @@ static inline void bf16_dot_tile(const QuantizedRows& q, int64_t m0, const at::B
     for (int j = 0; j < NB; ++j) {
       const at::BFloat16* p = w + (n + j) * K + k;
       wv[j] = (__m512bh)_mm512_loadu_si512(p);
-      prefetch(reinterpret_cast<const char*>(p) + kAhead);
+      prefetch(reinterpret_cast<const char*>(p) + g_ahead);
     }
     for (int r = 0; r < R; ++r) {
       const __m512bh hi = (__m512bh)_mm512_loadu_si512(q.bf16_hi.data() + (m0 + r) * K + k);
@@ -497,6 +499,14 @@ torch::Tensor quant_linear_cpu(torch::Tensor x, torch::Tensor weight, c10::optio
   TORCH_CHECK(specgraph_qlinear::kernel_applies(x, weight, scales, bias, scheme),
               "quant_linear_cpu: arguments the C++ kernel does not take");
   return specgraph_qlinear::run(x, weight, scales, bias, scheme);
+}
+
+// sets how many bytes ahead the weight streams are prefetched; returns the previous distance
+int64_t set_quant_prefetch(int64_t bytes) {
+  TORCH_CHECK(bytes >= 0, "set_quant_prefetch: the distance must be >= 0 bytes; got ", bytes);
+  const int64_t previous = specgraph_qlinear::g_ahead;
+  specgraph_qlinear::g_ahead = bytes;
+  return previous;
 }
 
 // the process switch for bfloat16 weights: native bf16 dot products at every row count of x, or

@@ -16,9 +16,9 @@ rows 30.7 (34.8, 45.9), 64 rows 96 (94), 256 rows 350 (342). ``benchmarks/bench_
 them on the model's shapes.
 
 **Prefetch.** The kernel prefetches the panel some rows of ``k`` ahead, one distance for calls of
-1 row and one for more; :func:`choose_prefetch` sets both by timing the model's own weights (on an
-Intel Xeon with AVX-512: 4 rows 25.0 -> 18.5 ms, 8 rows 30.1 -> 22.6 ms, 1 row best without).
-A prefetch changes no arithmetic: results are bitwise the same at any distance.
+1 row and one for more, set by timing the model's own weights (``kernels/prefetch.py``; on an Intel
+Xeon with AVX-512: 4 rows 25.0 -> 18.5 ms, 8 rows 30.1 -> 22.6 ms, 1 row best without). A prefetch
+changes no arithmetic: results are bitwise the same at any distance.
 
 :func:`panel_linear_ref` is the pure-torch reference; :func:`packed` packs a weight once per
 process, kept while the weight lives (the eager lowering, the step graphs and every Engine built
@@ -26,14 +26,11 @@ on the same model share it).
 """
 from __future__ import annotations
 
-import time
 import weakref
 
 import torch
 
 PANEL = 64  # output columns per panel (cpu_panel_linear.cpp kPanel)
-PREFETCH_DISTANCES = (0, 8, 16, 32)  # panel rows of k ahead that choose_prefetch times (0: no prefetch)
-PREFETCH_ROWS = (1, 4, 8)  # row counts of x it times: a decode; verifies and small batches
 
 _packed: dict[int, tuple[weakref.ref, torch.Tensor]] = {}  # id(weight) -> (the weight, its panels)
 
@@ -63,41 +60,3 @@ def packed(w: torch.Tensor) -> torch.Tensor:
     _packed[key] = (weakref.ref(w, lambda _: _packed.pop(key, None)), out)
     return out
 
-
-def choose_prefetch(weights: list[torch.Tensor], repeats: int = 3) -> tuple[tuple[int, int], str]:
-    """Set, by measurement, how far ahead the panel kernel prefetches (``set_panel_prefetch``): for
-    calls of 1 row the fastest of :data:`PREFETCH_DISTANCES` where it beats none by 3%, else none;
-    for more rows the fastest over 4 and 8 rows together. ``weights``: the model's float32 ``[N, K]``
-    linear weights, streamed as a step streams them (more bytes than any cache). Returns the pair
-    and a line saying what was measured. The setting is process-wide: it belongs to the machine."""
-    from . import cpu_kernels
-
-    module = cpu_kernels.load()
-    panel_linear = cpu_kernels.native_op("panel_linear")
-    if module is None or panel_linear is None or not weights:
-        return (0, 0), "no panel kernel" if weights else "no float32 linears"
-    panels = [(packed(w), w.shape[0]) for w in weights]
-    x = {rows: {w.shape[1]: torch.randn(rows, w.shape[1]) for w in weights} for rows in PREFETCH_ROWS}
-    best = {(d, rows): float("inf") for d in PREFETCH_DISTANCES for rows in PREFETCH_ROWS}
-    previous = module.set_panel_prefetch(0, 0)
-    try:
-        with torch.no_grad():
-            for round_ in range(repeats + 1):  # interleaved, so that load swings hit every distance; the first warms up
-                for d, rows in best:
-                    module.set_panel_prefetch(d, d)
-                    t0 = time.perf_counter()
-                    for (p, n), w in zip(panels, weights):
-                        panel_linear(x[rows][w.shape[1]], p, None, n)
-                    if round_ > 0:
-                        best[d, rows] = min(best[d, rows], time.perf_counter() - t0)
-    finally:
-        module.set_panel_prefetch(*previous)
-    single = min(PREFETCH_DISTANCES, key=lambda d: best[d, 1])
-    if best[single, 1] > 0.97 * best[0, 1]:
-        single = 0
-    multi = min(PREFETCH_DISTANCES, key=lambda d: sum(best[d, rows] for rows in PREFETCH_ROWS if rows > 1))
-    module.set_panel_prefetch(single, multi)
-    line = "; ".join(f"{rows} row{'s' if rows > 1 else ''} " + "/".join(f"{best[d, rows] * 1e3:.1f}" for d in PREFETCH_DISTANCES)
-                     for rows in PREFETCH_ROWS)
-    return (single, multi), (f"panel linears, ms with prefetch {'/'.join(map(str, PREFETCH_DISTANCES))} rows ahead: "
-                             f"{line} -> {single} ahead for 1 row, {multi} for more")

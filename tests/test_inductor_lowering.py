@@ -108,14 +108,14 @@ def test_a_second_build_on_this_machine_runs_the_plan_the_first_measured(tmp_pat
     saved = list((tmp_path / "measurements").glob("*step-plan-*.json"))
     assert len(saved) == 1
     if first.program._steps.panel_linears:  # the panel kernel's prefetch distances, measured and kept too
-        assert "panel linears, ms with prefetch" in first.program.step_plan, first.program.step_plan
-        assert len(list((tmp_path / "measurements").glob("*panel-prefetch*.json"))) == 1
+        assert "panel linears: 1 row" in first.program.step_plan, first.program.step_plan
+        assert len(list((tmp_path / "measurements").glob("*prefetch-panel*.json"))) == 1
 
     def no_timing(*args, **kwargs):
         raise AssertionError("a cached plan must not be measured again")
 
     monkeypatch.setattr(step_plan, "choose_buckets", no_timing)
-    monkeypatch.setattr("specgraph.kernels.panel_linear.choose_prefetch", no_timing)
+    monkeypatch.setattr("specgraph.kernels.prefetch.choose_panel_prefetch", no_timing)
     monkeypatch.setattr("specgraph.compiler.inductor.StepGraphs.keep_faster_buckets", no_timing)
     monkeypatch.setattr("specgraph.compiler.inductor.StepGraphs.measure_padding", no_timing)
     second = build()

@@ -64,23 +64,6 @@ def _prefetch(single: int, multi: int):
         cpu_kernels.load().set_panel_prefetch(*previous)
 
 
-def test_the_prefetch_distances_are_chosen_by_timing_and_bad_ones_are_named():
-    from specgraph.kernels import cpu_kernels
-    from specgraph.kernels.panel_linear import PREFETCH_DISTANCES, choose_prefetch
-
-    _ops()
-    module = cpu_kernels.load()
-    weights = [torch.randn(200, 64), torch.randn(64, 200)]
-    with _prefetch(3, 5):
-        (single, multi), line = choose_prefetch(weights, repeats=1)
-        assert single in PREFETCH_DISTANCES and multi in PREFETCH_DISTANCES
-        assert module.set_panel_prefetch(single, multi) == [single, multi]  # the choice was set
-        assert f"-> {single} ahead for 1 row, {multi} for more" in line and "4 rows" in line
-        with pytest.raises(RuntimeError, match="distances must be >= 0"):
-            module.set_panel_prefetch(-1, 0)
-    assert choose_prefetch([])[0] == (0, 0)
-
-
 def test_panel_linear_keeps_leading_dims_and_empty_inputs():
     ops = _ops()
     w, x = torch.randn(70, 9), torch.randn(2, 3, 9)

@@ -99,11 +99,13 @@ def test_cpp_kernel_matches_reference(scheme, group, rows, n, blocks, bias, zero
 
 @settings(max_examples=40, deadline=None)
 @given(scheme=st.sampled_from(WEIGHT_SCHEMES), rows=st.integers(2, 12), n=st.integers(1, 70),
-       blocks=st.integers(1, 6), bias=st.booleans(), seed=st.integers(0, 2**16), bf16_dot=st.booleans())
+       blocks=st.integers(1, 6), bias=st.booleans(), seed=st.integers(0, 2**16), bf16_dot=st.booleans(),
+       ahead=st.sampled_from([0, 64, 2048, 16384]))
 def test_cpp_kernel_gives_a_row_the_same_bits_in_a_call_of_any_row_count(scheme, rows, n, blocks, bias, seed,
-                                                                        bf16_dot):
+                                                                        bf16_dot, ahead):
     """Batch invariance: each row of x computed alone equals, bit for bit, that row in a call of ``rows``
-    rows (other tile shapes, the multi-row L2 chunking), so a verify step's token gets a decode's logits."""
+    rows (other tile shapes, the multi-row L2 chunking), so a verify step's token gets a decode's logits;
+    and the weights' prefetch distance (``ahead`` bytes, for the single rows) changes no bit."""
     cpp = _cpp()
     gen = torch.Generator().manual_seed(seed)
     k = blocks * 64
@@ -112,8 +114,12 @@ def test_cpp_kernel_gives_a_row_the_same_bits_in_a_call_of_any_row_count(scheme,
     b = torch.randn(n, generator=gen) if bias else None
     with cpp.bf16_products(bf16_dot):
         together = cpp.quant_linear_cpp(x, data, scales, b, scheme)
-        for i in range(rows):
-            assert torch.equal(cpp.quant_linear_cpp(x[i:i + 1], data, scales, b, scheme)[0], together[i]), i
+        previous = cpp.load().set_quant_prefetch(ahead)
+        try:
+            for i in range(rows):
+                assert torch.equal(cpp.quant_linear_cpp(x[i:i + 1], data, scales, b, scheme)[0], together[i]), i
+        finally:
+            cpp.load().set_quant_prefetch(previous)
 
 
 def test_native_bf16_dots_are_built_where_the_cpu_has_them_and_chosen_by_measurement():

@@ -1,0 +1,103 @@
+"""How far ahead the CPU linears prefetch their weights: chosen by timing on this machine.
+
+A decode step streams every weight once (more bytes than any cache). The hardware prefetchers alone
+left the C++ linears short of the memory's bandwidth on an Intel Xeon (2 threads, SmolLM2):
+* the float32 panel kernel (``cpu_panel_linear.cpp``), where a tile of several rows spends more
+  cycles per weight byte than the memory takes to deliver it: 4 rows 25.0 ms with no prefetch, 18.5
+  at 16 panel rows ahead (1 row: 17.0 with none, 17.9-18.9 with one);
+* the quantized kernel (``cpu_quant_linear.cpp``), which streams 4 weight rows at once: int8, 1 row,
+  5.0 ms at the 2 KiB it used to prefetch ahead, 3.6 at 8 KiB, 3.7 at 16 KiB.
+The best distance is the machine's (its memory latency, bandwidth and prefetchers), so each is
+chosen by timing the model's own weights at build, the distances interleaved over rounds so that load
+swings hit all of them, and kept per machine beside the step plan (``compiler/step_plan.py``). The
+settings are process-wide, like the machine they describe. A prefetch changes no arithmetic: every
+result is bitwise the same at any distance.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+
+ROWS = (1, 4, 8)  # row counts of x timed: a decode; verifies and small batches
+PANEL_DISTANCES = (0, 8, 16, 32)  # panel rows of k ahead (0: no prefetch)
+QUANT_DISTANCES = (1024, 2048, 4096, 8192, 16384)  # bytes ahead of each weight row's stream
+
+
+def _best_seconds(set_distance: Callable[[int], None], run: Callable[[int], None], distances, repeats: int):
+    """{(distance, rows): the fastest of ``repeats`` passes of ``run(rows)``}, after one warm-up round."""
+    best = {(d, rows): float("inf") for d in distances for rows in ROWS}
+    with torch.no_grad():
+        for round_ in range(repeats + 1):
+            for d, rows in best:
+                set_distance(d)
+                t0 = time.perf_counter()
+                run(rows)
+                if round_ > 0:
+                    best[d, rows] = min(best[d, rows], time.perf_counter() - t0)
+    return best
+
+
+def _table(best, distances, unit: str) -> str:
+    return "; ".join(f"{rows} row{'s' if rows > 1 else ''} " + "/".join(f"{best[d, rows] * 1e3:.1f}" for d in distances)
+                     for rows in ROWS) + f" ms at {'/'.join(map(str, distances))} {unit} ahead"
+
+
+def choose_panel_prefetch(weights: list[torch.Tensor], repeats: int = 3) -> tuple[tuple[int, int], str]:
+    """Set the panel kernel's distances (``set_panel_prefetch``) from timings over ``weights`` (the model's
+    float32 ``[N, K]`` linear weights): for calls of 1 row the fastest of :data:`PANEL_DISTANCES` where it
+    beats none by 3%, else none; for more rows the fastest over 4 and 8 rows together. Returns the pair
+    and a line saying what was measured."""
+    from . import cpu_kernels
+    from .panel_linear import packed
+
+    module, panel_linear = cpu_kernels.load(), cpu_kernels.native_op("panel_linear")
+    if module is None or panel_linear is None or not weights:
+        return (0, 0), "no panel kernel" if weights else "no float32 linears"
+    panels = [(packed(w), w.shape[0]) for w in weights]
+    x = {rows: {w.shape[1]: torch.randn(rows, w.shape[1]) for w in weights} for rows in ROWS}
+
+    def run(rows: int) -> None:
+        for (p, n), w in zip(panels, weights):
+            panel_linear(x[rows][w.shape[1]], p, None, n)
+
+    previous = module.set_panel_prefetch(0, 0)
+    try:
+        best = _best_seconds(lambda d: module.set_panel_prefetch(d, d), run, PANEL_DISTANCES, repeats)
+    finally:
+        module.set_panel_prefetch(*previous)
+    single = min(PANEL_DISTANCES, key=lambda d: best[d, 1])
+    if best[single, 1] > 0.97 * best[0, 1]:
+        single = 0
+    multi = min(PANEL_DISTANCES, key=lambda d: sum(best[d, rows] for rows in ROWS if rows > 1))
+    module.set_panel_prefetch(single, multi)
+    return (single, multi), (f"panel linears: {_table(best, PANEL_DISTANCES, 'panel rows')} -> {single} ahead "
+                             f"for 1 row, {multi} for more")
+
+
+def choose_quant_prefetch(linears: list[tuple[torch.Tensor, torch.Tensor | None, str]],
+                          repeats: int = 3) -> tuple[int, str]:
+    """Set the quantized kernel's distance (``set_quant_prefetch``) from timings over ``linears`` (the
+    model's quantized weights as ``(weight, scales, scheme)``): the fastest of :data:`QUANT_DISTANCES`
+    over every row count together. Returns it and a line saying what was measured."""
+    from . import cpu_kernels
+
+    module = cpu_kernels.load()
+    if module is None or not linears:
+        return 2048, "no quantized kernel" if linears else "no quantized linears"
+    in_features = {w.shape[1] * (2 if scheme == "int4" else 1) for w, _, scheme in linears}
+    x = {rows: {k: torch.randn(rows, k) for k in in_features} for rows in ROWS}
+
+    def run(rows: int) -> None:
+        for w, scales, scheme in linears:
+            module.quant_linear_cpu(x[rows][w.shape[1] * (2 if scheme == "int4" else 1)], w, scales, None, scheme)
+
+    previous = module.set_quant_prefetch(2048)
+    try:
+        best = _best_seconds(module.set_quant_prefetch, run, QUANT_DISTANCES, repeats)
+    finally:
+        module.set_quant_prefetch(previous)
+    ahead = min(QUANT_DISTANCES, key=lambda d: sum(best[d, rows] for rows in ROWS))
+    module.set_quant_prefetch(ahead)
+    return ahead, f"quantized linears: {_table(best, QUANT_DISTANCES, 'bytes')} -> {ahead} bytes ahead"
