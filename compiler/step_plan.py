@@ -175,7 +175,8 @@ def _float32_weights(gm: fx.GraphModule, limit: int) -> list[torch.Tensor]:
     return weights
 
 
-def _quant_linears(gm: fx.GraphModule, limit: int) -> list[tuple[torch.Tensor, torch.Tensor | None, str]]:
+def _quant_linears(gm: fx.GraphModule,
+                   limit: float = float("inf")) -> list[tuple[torch.Tensor, torch.Tensor | None, str]]:
     """The graph's quantized linears as ``(weight, scales, scheme)``, each weight once, in graph order,
     until they exceed ``limit`` bytes."""
     seen, out, total = set(), [], 0
@@ -195,16 +196,7 @@ def _quant_linears(gm: fx.GraphModule, limit: int) -> list[tuple[torch.Tensor, t
 
 def _bf16_weights(gm: fx.GraphModule) -> list[torch.Tensor]:
     """The bfloat16 weights of the graph's quantized linears, each once, in graph order."""
-    seen, out = set(), []
-    for node in gm.graph.nodes:
-        if node.op != "call_function" or node.target != torch.ops.specgraph.quant_linear.default:
-            continue
-        w = node.args[1]
-        scheme = node.args[4] if len(node.args) > 4 else node.kwargs.get("scheme")
-        if scheme == "bfloat16" and isinstance(w, fx.Node) and w.op == "get_attr" and w.target not in seen:
-            seen.add(w.target)
-            out.append(attr_value(gm, w.target).detach())
-    return out
+    return [w for w, _, scheme in _quant_linears(gm) if scheme == "bfloat16"]
 
 
 def _time_linears(weights: list[torch.Tensor], repeats: int = 7) -> dict[str, float]:

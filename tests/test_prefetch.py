@@ -43,3 +43,39 @@ def test_bad_distances_are_named(module):
         module.set_panel_prefetch(-1, 0)
     with pytest.raises(RuntimeError, match="distance must be >= 0 bytes"):
         module.set_quant_prefetch(-5)
+
+
+def test_a_build_measures_the_distances_once_per_machine_and_sets_them_every_time(module, tmp_path, monkeypatch):
+    """``step_plan.set_prefetch``: the first build of a program times the quantized kernel's distance (its
+    weights over PREFETCH_MIN_BYTES) and keeps it; a later build sets the kept one without timing; an
+    unreadable file is measured again; a program under the minimum times and sets nothing."""
+    import torch.fx as fx
+
+    from specgraph.compiler import step_plan
+
+    monkeypatch.setenv("SPECGRAPH_GRAPH_CACHE", str(tmp_path))
+    root = torch.nn.Module()
+    data, scales = quantize_weight(torch.randn(96, 64), "int8")
+    root.register_buffer("w", data)
+    root.register_buffer("s", scales)
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    graph.output(graph.call_function(torch.ops.specgraph.quant_linear.default,
+                                     (x, graph.get_attr("w"), graph.get_attr("s"), None, "int8")))
+    gm = fx.GraphModule(root, graph)
+    assert step_plan.set_prefetch(gm, "key", panel_linears=True) == ""  # 6 KiB of weights: nothing timed
+    assert module.set_quant_prefetch(2048) == 2048
+    monkeypatch.setattr(step_plan, "PREFETCH_MIN_BYTES", 0)
+    first = step_plan.set_prefetch(gm, "key", panel_linears=True)
+    assert "quantized linears: 1 row" in first and "panel" not in first  # (no float32 linears here)
+    chosen = module.set_quant_prefetch(2048)
+    kept = next(tmp_path.glob("measurements/key-*-prefetch-quant.json"))
+    monkeypatch.setattr(prefetch, "choose_quant_prefetch", lambda *a, **k: pytest.fail("timed again"))
+    assert step_plan.set_prefetch(gm, "key", panel_linears=True) == "as measured by an earlier build on this machine: " + first
+    assert module.set_quant_prefetch(2048) == chosen
+    kept.write_text('{"panel": null, "quant": 4096, "line": "kept"}')  # a kept choice is what is set
+    assert step_plan.set_prefetch(gm, "key", panel_linears=True).endswith(": kept")
+    assert module.set_quant_prefetch(2048) == 4096
+    kept.write_text("{not json")
+    monkeypatch.setattr(prefetch, "choose_quant_prefetch", lambda linears: (1024, "measured again"))
+    assert step_plan.set_prefetch(gm, "key", panel_linears=True) == "measured again"
