@@ -102,5 +102,6 @@ def test_measured_shape_survives_a_slow_spell(monkeypatch):
 
 
 def test_cost_sizes_cover_each_bucket_edge():
-    sizes = cost_sizes(40, buckets=(1, 8))
-    assert {1, 2, 3, 4, 8, 9, 40} <= set(sizes) and sizes == sorted(set(sizes)) and max(sizes) == 40
+    sizes = cost_sizes(40, buckets=(1, 16))
+    assert set(range(1, 13)) | {16, 17, 40} <= set(sizes) and sizes == sorted(set(sizes)) and max(sizes) == 40
+    assert len(sizes) < 20 and cost_sizes(3) == [1, 2, 3]
