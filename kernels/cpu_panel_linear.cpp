@@ -19,7 +19,7 @@
 // deliver it, and the hardware prefetchers alone then leave the stream short (SmolLM2's linears,
 // 4 rows: 25 ms against 17 for 1 row on an Intel Xeon with AVX-512); prefetching the panel a
 // distance of k rows ahead brings 4 rows to 18.5 ms. The distances (one for calls of 1 row, one
-// for more) are process-wide and set by measurement (panel_linear.choose_prefetch); a prefetch
+// for more) are process-wide and set by measurement (kernels/prefetch.py); a prefetch
 // changes no arithmetic, so the FMA chains above are the same whatever they are.
 #include <cmath>
 
