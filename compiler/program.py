@@ -25,6 +25,7 @@ from .lowering import cpu_linear_kind, lower
 from .options import BackendOptions
 from .pipeline import decoder_passes
 from .signature import CACHE_PARTS, Role, SignatureError
+from ..kernels import huge_pages
 from ..kernels.tree_mask import ancestor_mask, causal_rows, depths, mask_words
 
 
@@ -395,6 +396,8 @@ class DecoderProgram:
         self._inputs = context.signature.validate(self.gm, RUNTIME_ROLES)  # each placeholder's role, in order
         self._device = next(iter(self.gm.parameters()), torch.empty(0)).device
         options = context.options
+        if self._device.type == "cpu":
+            huge_pages.move_buffers(self.gm)  # the weights the passes made (fused, quantized): read every step
         self._eager = lower(self.gm, prepack=options.prepack_weights, dump_dir=options.dump_dir)
         self._steps = None  # StepGraphs once compile_steps ran
         self._compiling: threading.Thread | None = None  # a background compile_steps

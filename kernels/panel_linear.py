@@ -30,6 +30,8 @@ import weakref
 
 import torch
 
+from . import huge_pages
+
 PANEL = 64  # output columns per panel (cpu_panel_linear.cpp kPanel)
 
 _packed: dict[int, tuple[weakref.ref, torch.Tensor]] = {}  # id(weight) -> (the weight, its panels)
@@ -51,12 +53,13 @@ def panel_linear_ref(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor |
 
 
 def packed(w: torch.Tensor) -> torch.Tensor:
-    """``pack_panels(w)`` by the C++ kernel, once per weight tensor in this process."""
+    """``pack_panels(w)`` by the C++ kernel, once per weight tensor in this process, in huge pages
+    where they are available (``kernels/huge_pages.py``)."""
     key = id(w)
     hit = _packed.get(key)
     if hit is not None and hit[0]() is w:
         return hit[1]
-    out = torch.ops.specgraph_cpu.pack_panels(w.detach())
+    out = huge_pages.moved(torch.ops.specgraph_cpu.pack_panels(w.detach()))
     _packed[key] = (weakref.ref(w, lambda _: _packed.pop(key, None)), out)
     return out
 

@@ -1,0 +1,99 @@
+"""Weights in huge pages (``kernels/huge_pages.py``): the same values at other addresses, in mappings that
+ask the kernel for 2 MiB pages, each tensor moved once, only what a graph reads; and a program whose
+weights were moved computes what it computed before."""
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+import torch.fx as fx
+
+from specgraph.kernels import huge_pages
+
+
+@pytest.fixture
+def thp():
+    if not huge_pages.available():
+        pytest.skip("transparent huge pages are off on this machine (or not Linux)")
+
+
+def _advised(t: torch.Tensor) -> bool:
+    """Whether the mapping holding ``t`` carries the huge-page advice (``hg`` in smaps' VmFlags)."""
+    ptr, inside = t.data_ptr(), False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                start, end = (int(a, 16) for a in head.split("-"))
+                inside = start <= ptr < end
+            elif inside and head == "VmFlags:":
+                return "hg" in line.split()
+    return False
+
+
+def test_moved_keeps_values_and_asks_for_huge_pages(thp):
+    t = torch.randn(512, 300)
+    out = huge_pages.moved(t)
+    assert out is not t and out.data_ptr() != t.data_ptr() and torch.equal(out, t)
+    assert out.is_contiguous() and out.dtype == t.dtype and out.data_ptr() % huge_pages.ALIGN == 0
+    assert huge_pages.in_huge_pages(out) and not huge_pages.in_huge_pages(t)
+    assert _advised(out)
+    assert huge_pages.moved(out) is out  # moved once
+    small = torch.randn(8, 8)
+    assert huge_pages.moved(small) is small  # under MIN_BYTES: left where it is
+    int8 = torch.randint(-128, 127, (1024, 200), dtype=torch.int8)
+    assert torch.equal(huge_pages.moved(int8), int8)
+
+
+def test_small_tensors_share_a_mapping_and_it_is_unmapped_when_they_die(thp):
+    before = len(huge_pages._regions)
+    big = huge_pages.moved(torch.randn(huge_pages.CHUNK // 4 + 1))  # over half a chunk: a mapping of its own
+    assert len(huge_pages._regions) == before + 1 and big.data_ptr() % huge_pages.HUGE_PAGE == 0
+    ts = [huge_pages.moved(torch.full((20000,), float(i))) for i in range(3)]
+    assert all(torch.equal(t, torch.full((20000,), float(i))) for i, t in enumerate(ts))
+    assert [b.data_ptr() - a.data_ptr() for a, b in zip(ts, ts[1:])] == [80000, 80000]  # packed, 64-byte aligned
+    del big
+    gc.collect()
+    assert len(huge_pages._regions) <= before + 1  # the big one's mapping is gone
+
+
+def test_nothing_moves_when_turned_off(monkeypatch):
+    monkeypatch.setenv("SPECGRAPH_HUGE_PAGES", "0")
+    t = torch.randn(512, 300)
+    assert not huge_pages.available() and huge_pages.moved(t) is t
+
+
+def test_move_buffers_moves_what_the_graph_reads_and_keeps_its_outputs(thp):
+    """The invariant: the graph computes the same bits; buffers it doesn't read and parameters stay."""
+    root = torch.nn.Module()
+    root.add_module("sub", torch.nn.Module())
+    root.sub.register_buffer("w", torch.randn(300, 256))
+    root.register_buffer("bias", torch.randn(300))
+    root.register_parameter("p", torch.nn.Parameter(torch.randn(256, 256), requires_grad=False))
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    h = graph.call_function(torch.ops.aten.linear.default, (x, graph.get_attr("p")))
+    graph.output(graph.call_function(torch.ops.aten.linear.default,
+                                     (h, graph.get_attr("sub.w"), graph.get_attr("bias"))))
+    gm = fx.GraphModule(root, graph)
+    gm.register_buffer("unused", torch.randn(300, 256))  # (a pass's leftover, say)
+    x = torch.randn(5, 256)
+    expected = gm(x)
+    unused, param = gm.unused, gm.p
+    assert huge_pages.move_buffers(gm) == 300 * 256 * 4
+    assert huge_pages.in_huge_pages(gm.sub.w) and gm.unused is unused and gm.p is param
+    assert not huge_pages.in_huge_pages(gm.bias)  # under MIN_BYTES
+    assert "sub.w" in gm.state_dict()  # still a persistent buffer
+    assert torch.equal(gm(x), expected)
+    assert huge_pages.move_buffers(gm) == 0  # nothing left to move
+
+
+def test_panel_packing_lands_in_huge_pages(thp):
+    from specgraph.kernels import cpu_kernels
+    from specgraph.kernels.panel_linear import packed
+
+    if cpu_kernels.load() is None:
+        pytest.fail(f"the C++ CPU kernels did not build: {cpu_kernels.build_error()}")
+    w = torch.randn(256, 256)
+    assert huge_pages.in_huge_pages(packed(w))
