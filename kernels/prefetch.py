@@ -15,6 +15,7 @@ result is bitwise the same at any distance.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Callable
 
@@ -84,8 +85,10 @@ def choose_quant_prefetch(linears: list[tuple[torch.Tensor, torch.Tensor | None,
     from . import cpu_kernels
 
     module = cpu_kernels.load()
-    if module is None or not linears:
-        return 2048, "no quantized kernel" if linears else "no quantized linears"
+    if module is None:
+        return 0, "no quantized kernel"
+    if not linears:
+        return _current_quant_distance(module), "no quantized linears"
     in_features = {w.shape[1] * (2 if scheme == "int4" else 1) for w, _, scheme in linears}
     x = {rows: {k: torch.randn(rows, k) for k in in_features} for rows in ROWS}
 
@@ -93,7 +96,7 @@ def choose_quant_prefetch(linears: list[tuple[torch.Tensor, torch.Tensor | None,
         for w, scales, scheme in linears:
             module.quant_linear_cpu(x[rows][w.shape[1] * (2 if scheme == "int4" else 1)], w, scales, None, scheme)
 
-    previous = module.set_quant_prefetch(2048)
+    previous = module.set_quant_prefetch(QUANT_DISTANCES[0])
     try:
         best = _best_seconds(module.set_quant_prefetch, run, QUANT_DISTANCES, repeats)
     finally:
@@ -101,3 +104,29 @@ def choose_quant_prefetch(linears: list[tuple[torch.Tensor, torch.Tensor | None,
     ahead = min(QUANT_DISTANCES, key=lambda d: sum(best[d, rows] for rows in ROWS))
     module.set_quant_prefetch(ahead)
     return ahead, f"quantized linears: {_table(best, QUANT_DISTANCES, 'bytes')} -> {ahead} bytes ahead"
+
+
+def _current_quant_distance(module) -> int:
+    ahead = module.set_quant_prefetch(0)
+    module.set_quant_prefetch(ahead)
+    return ahead
+
+
+@contextlib.contextmanager
+def distances(panel: tuple[int, int] | None = None, quant: int | None = None):
+    """Run a block with the given distances (panel: ``(1 row, more rows)``; quantized: bytes), and
+    restore the ones set before it after (tests, side-by-side timings). Yields the C++ module."""
+    from . import cpu_kernels
+
+    module = cpu_kernels.load()
+    if module is None:
+        raise RuntimeError(f"the C++ CPU kernels did not build: {cpu_kernels.build_error()}")
+    panel_before = module.set_panel_prefetch(*panel) if panel is not None else None
+    quant_before = module.set_quant_prefetch(quant) if quant is not None else None
+    try:
+        yield module
+    finally:
+        if panel_before is not None:
+            module.set_panel_prefetch(*panel_before)
+        if quant_before is not None:
+            module.set_quant_prefetch(quant_before)

@@ -2,13 +2,12 @@
 each row bitwise independent of the others (row count, tiling, threads), fuzzed with hypothesis."""
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from specgraph.kernels import prefetch
 from specgraph.kernels.panel_linear import pack_panels_ref, packed, panel_linear_ref
 
 
@@ -46,22 +45,11 @@ def test_panel_linear_matches_the_reference_and_each_row_is_independent_of_the_o
         assert torch.equal(ops.panel_linear(x, panels, bias, n), y)
         # prefetching (any distance, past the panel's end included) changes no bit
         ahead = data.draw(st.sampled_from([0, 1, 8, 16, 32, 500]), label="ahead")
-        with _prefetch(ahead, ahead):
+        with prefetch.distances(panel=(ahead, ahead)):
             assert torch.equal(ops.panel_linear(x, panels, bias, n), y)
             assert torch.equal(ops.panel_linear(x[rows[:1]], panels, bias, n), y[rows[:1]])
     finally:
         torch.set_num_threads(before)
-
-
-@contextlib.contextmanager
-def _prefetch(single: int, multi: int):
-    from specgraph.kernels import cpu_kernels
-
-    previous = cpu_kernels.load().set_panel_prefetch(single, multi)
-    try:
-        yield
-    finally:
-        cpu_kernels.load().set_panel_prefetch(*previous)
 
 
 def test_panel_linear_keeps_leading_dims_and_empty_inputs():

@@ -6,19 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specgraph.kernels import cpu_kernels, prefetch
+from specgraph.kernels import prefetch
 from specgraph.kernels.quant_linear import quantize_weight
 
 
 @pytest.fixture
 def module():
-    module = cpu_kernels.load()
-    if module is None:
-        pytest.fail(f"the C++ CPU kernels did not build: {cpu_kernels.build_error()}")
-    panel, quant = module.set_panel_prefetch(0, 16), module.set_quant_prefetch(2048)
-    yield module
-    module.set_panel_prefetch(*panel)
-    module.set_quant_prefetch(quant)
+    with prefetch.distances(panel=(0, 16), quant=2048) as module:
+        yield module
 
 
 def test_the_panel_kernel_distances_are_chosen_by_timing_and_set(module):
@@ -35,7 +30,7 @@ def test_the_quantized_kernel_distance_is_chosen_by_timing_and_set(module):
     assert ahead in prefetch.QUANT_DISTANCES
     assert module.set_quant_prefetch(2048) == ahead
     assert f"-> {ahead} bytes ahead" in line and "1 row " in line
-    assert prefetch.choose_quant_prefetch([])[0] == 2048
+    assert prefetch.choose_quant_prefetch([])[0] == 2048  # nothing to time: the distance set stays
 
 
 def test_bad_distances_are_named(module):

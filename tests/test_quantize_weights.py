@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from models import make_family, random_prompts
 
 import specgraph
+from specgraph.kernels import prefetch
 from specgraph.kernels.quant_linear import (
     ACT_BLOCK,
     ACT_QUANT_SCHEMES,
@@ -114,12 +115,9 @@ def test_cpp_kernel_gives_a_row_the_same_bits_in_a_call_of_any_row_count(scheme,
     b = torch.randn(n, generator=gen) if bias else None
     with cpp.bf16_products(bf16_dot):
         together = cpp.quant_linear_cpp(x, data, scales, b, scheme)
-        previous = cpp.load().set_quant_prefetch(ahead)
-        try:
+        with prefetch.distances(quant=ahead):
             for i in range(rows):
                 assert torch.equal(cpp.quant_linear_cpp(x[i:i + 1], data, scales, b, scheme)[0], together[i]), i
-        finally:
-            cpp.load().set_quant_prefetch(previous)
 
 
 def test_native_bf16_dots_are_built_where_the_cpu_has_them_and_chosen_by_measurement():
