@@ -175,11 +175,16 @@ class LayerCacheSpec:
         if self.hot_cold:
             from ..kernels.hot_cold import allocate_mixed
 
-            return allocate_mixed(num_blocks, num_cold, page_size, self.kv_heads, self.head_dim, self.dtype,
-                                  self.scheme.name, device)
-        if self.scheme is not None:
-            return self.scheme.allocate(num_blocks, page_size, self.kv_heads, self.head_dim, device=device).tensors()
-        return (torch.zeros(shape, dtype=self.dtype, device=device), torch.zeros(shape, dtype=self.dtype, device=device))
+            tensors = allocate_mixed(num_blocks, num_cold, page_size, self.kv_heads, self.head_dim, self.dtype,
+                                     self.scheme.name, device)
+        elif self.scheme is not None:
+            tensors = self.scheme.allocate(num_blocks, page_size, self.kv_heads, self.head_dim, device=device).tensors()
+        else:
+            tensors = (torch.zeros(shape, dtype=self.dtype, device=device),
+                       torch.zeros(shape, dtype=self.dtype, device=device))
+        # a long step reads as many KV bytes as weight bytes: in huge pages too (SmolLM2, 4 sequences
+        # of 1200 tokens, float32: a step 37.7 -> 35.7 ms on an Intel Xeon)
+        return tuple(huge_pages.moved(t) for t in tensors)
 
 
 @dataclass

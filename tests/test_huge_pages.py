@@ -97,3 +97,21 @@ def test_panel_packing_lands_in_huge_pages(thp):
         pytest.fail(f"the C++ CPU kernels did not build: {cpu_kernels.build_error()}")
     w = torch.randn(256, 256)
     assert huge_pages.in_huge_pages(packed(w))
+
+
+@pytest.mark.parametrize("kind", ["float", "fp8", "int4", "hot_cold"])
+def test_kv_pools_are_allocated_in_huge_pages_as_they_would_be_elsewhere(thp, kind, monkeypatch):
+    from specgraph.compiler.program import LayerCacheSpec
+    from specgraph.kernels.quant import get_scheme
+
+    scheme = None if kind == "float" else get_scheme("int4" if kind == "int4" else "fp8")
+    spec = LayerCacheSpec(kv_heads=2, head_dim=64, dtype=torch.float32, scheme=scheme, hot_cold=kind == "hot_cold")
+    layer = spec.allocate(256, 16, "cpu", num_cold=256)
+    big = [t for t in layer if t.numel() * t.element_size() >= huge_pages.MIN_BYTES]
+    assert big and all(huge_pages.in_huge_pages(t) for t in big)
+    monkeypatch.setenv("SPECGRAPH_HUGE_PAGES", "0")
+    plain = spec.allocate(256, 16, "cpu", num_cold=256)
+    assert not any(huge_pages.in_huge_pages(t) for t in plain)
+    for a, b in zip(layer, plain, strict=True):  # same shapes, dtypes and starting values (zeros, unit scales)
+        assert a.shape == b.shape and a.dtype == b.dtype and a.is_contiguous()
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
