@@ -59,7 +59,10 @@ class _Chunk:
         address = ctypes.addressof(ctypes.c_char.from_buffer(self.region))
         self.used = (-address) % HUGE_PAGE
         self.end = self.used + size
-        self.region.madvise(mmap.MADV_HUGEPAGE, self.used, size)
+        try:
+            self.region.madvise(mmap.MADV_HUGEPAGE, self.used, size)
+        except OSError:  # (refused: the mapping still works, in small pages)
+            pass
         _regions[address] = address + length
         weakref.finalize(self.region, _regions.pop, address, None)
 
