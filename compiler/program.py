@@ -175,16 +175,11 @@ class LayerCacheSpec:
         if self.hot_cold:
             from ..kernels.hot_cold import allocate_mixed
 
-            tensors = allocate_mixed(num_blocks, num_cold, page_size, self.kv_heads, self.head_dim, self.dtype,
-                                     self.scheme.name, device)
-        elif self.scheme is not None:
-            tensors = self.scheme.allocate(num_blocks, page_size, self.kv_heads, self.head_dim, device=device).tensors()
-        else:
-            tensors = (torch.zeros(shape, dtype=self.dtype, device=device),
-                       torch.zeros(shape, dtype=self.dtype, device=device))
-        # a long step reads as many KV bytes as weight bytes: in huge pages too (SmolLM2, 4 sequences
-        # of 1200 tokens, float32: a step 37.7 -> 35.7 ms on an Intel Xeon)
-        return tuple(huge_pages.moved(t) for t in tensors)
+            return allocate_mixed(num_blocks, num_cold, page_size, self.kv_heads, self.head_dim, self.dtype,
+                                  self.scheme.name, device)
+        if self.scheme is not None:
+            return self.scheme.allocate(num_blocks, page_size, self.kv_heads, self.head_dim, device=device).tensors()
+        return (torch.zeros(shape, dtype=self.dtype, device=device), torch.zeros(shape, dtype=self.dtype, device=device))
 
 
 @dataclass
@@ -211,8 +206,7 @@ class DecoderProgram:
         return len(self.layers)
 
     def kv_bytes_per_token(self) -> int:
-        """Cache bytes one token takes over all layers, K and V, scales included (a hot/cold cache: in a
-        cold page)."""
+        """Cache bytes one token takes over all layers, K and V, scales included (hot/cold: in a cold page)."""
         return sum(s.bytes_per_token() for s in self.layers)
 
     def kv_hot_bytes_per_token(self) -> int:
@@ -228,8 +222,9 @@ class DecoderProgram:
                      num_cold: int = 0) -> list[tuple[torch.Tensor, ...]]:
         """Per-layer cache tensors: ``(k_cache, v_cache)`` of ``[num_blocks, page_size, kv_heads, head_dim]``,
         plus ``(k_scale, v_scale)`` for a quantized cache; a hot/cold cache has ``num_blocks`` hot pages
-        (ids ``0 .. num_blocks - 1``) and ``num_cold`` cold ones (ids from ``num_blocks`` on)."""
-        return [s.allocate(num_blocks, self.page_size, device, num_cold) for s in self.layers]
+        (ids ``0 .. num_blocks - 1``) and ``num_cold`` cold ones (ids from ``num_blocks`` on); on CPU in huge pages."""
+        return [tuple(map(huge_pages.moved, s.allocate(num_blocks, self.page_size, device, num_cold)))
+                for s in self.layers]
 
     def graph_inputs(self, input_ids: torch.Tensor, meta: AttentionMetadata,
                      kv_cache: list[tuple[torch.Tensor, ...]]) -> list:
@@ -401,8 +396,7 @@ class DecoderProgram:
         self._inputs = context.signature.validate(self.gm, RUNTIME_ROLES)  # each placeholder's role, in order
         self._device = next(iter(self.gm.parameters()), torch.empty(0)).device
         options = context.options
-        if self._device.type == "cpu":
-            huge_pages.move_buffers(self.gm)  # the weights the passes made (fused, quantized): read every step
+        huge_pages.move_buffers(self.gm)  # (CPU) the weights the passes made (fused, quantized): read every step
         self._eager = lower(self.gm, prepack=options.prepack_weights, dump_dir=options.dump_dir)
         self._steps = None  # StepGraphs once compile_steps ran
         self._compiling: threading.Thread | None = None  # a background compile_steps
@@ -447,18 +441,17 @@ def compile_decoder(model: torch.nn.Module, options: BackendOptions | None = Non
     """Capture ``model`` and run the full decoder pipeline (see module docstring); ``progress(stage)``
     is told when each stage starts."""
     options = options or BackendOptions()
+    say = progress or (lambda stage: None)
     from . import graph_cache
 
     key = graph_cache.cache_key(model, options, example_len) if graph_cache.cache_dir() is not None else None
     entry = graph_cache.load(key, model) if key is not None else None
     if entry is not None:
-        if progress is not None:
-            progress("graph from the cache")
+        say("graph from the cache")
         program = cached_program(entry["gm"], entry["spec"], options)
         program.cache_key = key
         return program
-    if progress is not None:
-        progress("capture + passes")
+    say("capture + passes")
     result: dict[str, CompiledGraph] = {}
 
     def capture_backend(gm, example_inputs):
@@ -483,8 +476,7 @@ def compile_decoder(model: torch.nn.Module, options: BackendOptions | None = Non
     if options.self_check:
         from .self_check import self_check
 
-        if progress is not None:
-            progress("self-check")
+        say("self-check")
         # a hot/cold cache is checked as built: every page hot, so exact like a float cache
         program.self_check_seconds = self_check(program, "auto" if options.kv_hot_cold else options.kv_dtype)
     if key is not None:

@@ -101,16 +101,19 @@ def test_panel_packing_lands_in_huge_pages(thp):
 
 @pytest.mark.parametrize("kind", ["float", "fp8", "int4", "hot_cold"])
 def test_kv_pools_are_allocated_in_huge_pages_as_they_would_be_elsewhere(thp, kind, monkeypatch):
-    from specgraph.compiler.program import LayerCacheSpec
+    from types import SimpleNamespace
+
+    from specgraph.compiler.program import DecoderProgram, LayerCacheSpec
     from specgraph.kernels.quant import get_scheme
 
     scheme = None if kind == "float" else get_scheme("int4" if kind == "int4" else "fp8")
     spec = LayerCacheSpec(kv_heads=2, head_dim=64, dtype=torch.float32, scheme=scheme, hot_cold=kind == "hot_cold")
-    layer = spec.allocate(256, 16, "cpu", num_cold=256)
+    program = SimpleNamespace(layers=[spec], page_size=16)  # (what new_kv_cache reads)
+    [layer] = DecoderProgram.new_kv_cache(program, 256, "cpu", num_cold=256)
     big = [t for t in layer if t.numel() * t.element_size() >= huge_pages.MIN_BYTES]
     assert big and all(huge_pages.in_huge_pages(t) for t in big)
     monkeypatch.setenv("SPECGRAPH_HUGE_PAGES", "0")
-    plain = spec.allocate(256, 16, "cpu", num_cold=256)
+    [plain] = DecoderProgram.new_kv_cache(program, 256, "cpu", num_cold=256)
     assert not any(huge_pages.in_huge_pages(t) for t in plain)
     for a, b in zip(layer, plain, strict=True):  # same shapes, dtypes and starting values (zeros, unit scales)
         assert a.shape == b.shape and a.dtype == b.dtype and a.is_contiguous()
