@@ -1,5 +1,5 @@
 """CPU tensors in transparent huge pages, for the memory a decode step streams: packed and quantized
-weights (``panel_linear.packed``, ``DecoderProgram``) and the KV pool (``LayerCacheSpec.allocate``).
+weights (``panel_linear.packed``, ``DecoderProgram``) and the KV pool (``DecoderProgram.new_kv_cache``).
 
 A decode step reads every weight once: SmolLM2's float32 linears are 405 MiB, about 100,000 4 KiB
 pages and as many TLB misses a step, most of them on the prefetches that run ahead of the kernels.
@@ -19,6 +19,7 @@ import ctypes
 import mmap
 import os
 import sys
+import threading
 import weakref
 
 import torch
@@ -66,15 +67,14 @@ class _Chunk:
         _regions[address] = address + length
         weakref.finalize(self.region, _regions.pop, address, None)
 
-    def place(self, nbytes: int) -> int | None:
-        """The offset of ``nbytes`` newly taken, or None when they don't fit."""
-        if self.used + nbytes > self.end:
-            return None
+    def take(self, nbytes: int) -> int:
+        """The offset of ``nbytes`` newly taken (the caller checked they fit)."""
         offset, self.used = self.used, -(-(self.used + nbytes) // ALIGN) * ALIGN
         return offset
 
 
 _filling: _Chunk | None = None
+_lock = threading.Lock()  # (a background step compile packs weights while the caller allocates)
 
 
 def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -86,20 +86,21 @@ def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     nbytes = count * torch.empty((), dtype=dtype).element_size()
     if nbytes == 0:
         return torch.empty(shape, dtype=dtype)
-    if nbytes > CHUNK // 2:
-        chunk = _Chunk(-(-nbytes // HUGE_PAGE) * HUGE_PAGE)
-    else:
-        if _filling is None or _filling.used + nbytes > _filling.end:
-            _filling = _Chunk(CHUNK)
-        chunk = _filling
-    offset = chunk.place(nbytes)
+    with _lock:
+        if nbytes > CHUNK // 2:
+            chunk = _Chunk(-(-nbytes // HUGE_PAGE) * HUGE_PAGE)
+        else:
+            if _filling is None or _filling.used + nbytes > _filling.end:
+                _filling = _Chunk(CHUNK)
+            chunk = _filling
+        offset = chunk.take(nbytes)
     return torch.frombuffer(chunk.region, dtype=dtype, count=count, offset=offset).view(shape)
 
 
 def in_huge_pages(t: torch.Tensor) -> bool:
     """Whether ``t``'s memory lies in a mapping made here (that asked for huge pages)."""
     ptr = t.data_ptr()
-    return any(start <= ptr < end for start, end in _regions.items())
+    return any(start <= ptr < end for start, end in list(_regions.items()))  # (list: one step under the GIL)
 
 
 def moved(t: torch.Tensor) -> torch.Tensor:

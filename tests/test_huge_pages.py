@@ -58,6 +58,19 @@ def test_small_tensors_share_a_mapping_and_it_is_unmapped_when_they_die(thp):
     assert len(huge_pages._regions) <= before + 1  # the big one's mapping is gone
 
 
+def test_tensors_placed_from_several_threads_never_overlap(thp):
+    from concurrent.futures import ThreadPoolExecutor
+
+    def place(i):
+        return [huge_pages.moved(torch.full((16384 + 97 * i,), float(i))) for _ in range(40)]
+
+    with ThreadPoolExecutor(4) as pool:
+        placed = [t for ts in pool.map(place, range(4)) for t in ts]
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * 4) for t in placed)
+    assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))
+    assert all(torch.equal(t, torch.full_like(t, t[0].item())) for t in placed)
+
+
 def test_nothing_moves_when_turned_off(monkeypatch):
     monkeypatch.setenv("SPECGRAPH_HUGE_PAGES", "0")
     t = torch.randn(512, 300)
