@@ -16,9 +16,9 @@ available (not Linux, THP ``never``, ``SPECGRAPH_HUGE_PAGES=0``) :func:`moved` r
 from __future__ import annotations
 
 import ctypes
+import functools
 import mmap
 import os
-import sys
 import threading
 import weakref
 
@@ -37,12 +37,17 @@ _regions: dict[int, int] = {}  # start -> end address of each live mapping made 
 
 def available() -> bool:
     """Whether an anonymous mapping can ask for huge pages here (and ``SPECGRAPH_HUGE_PAGES`` isn't 0)."""
-    if os.environ.get("SPECGRAPH_HUGE_PAGES", "1") == "0" or not sys.platform.startswith("linux"):
+    if os.environ.get("SPECGRAPH_HUGE_PAGES", "1") == "0" or not hasattr(mmap, "MADV_HUGEPAGE"):
         return False
-    if not hasattr(mmap, "MADV_HUGEPAGE"):
-        return False
+    return thp_allows()
+
+
+@functools.lru_cache(maxsize=None)
+def thp_allows(mode_file: str = _THP_MODE) -> bool:
+    """Whether the system's THP mode (``always [madvise] never``, the bracket marking it) backs advised
+    mappings with huge pages; False where the file is missing (not Linux, no THP). Read once."""
     try:
-        with open(_THP_MODE) as f:
+        with open(mode_file) as f:
             mode = f.read()
     except OSError:
         return False
