@@ -179,7 +179,7 @@ class LayerCacheSpec:
                                   self.scheme.name, device)
         if self.scheme is not None:
             return self.scheme.allocate(num_blocks, page_size, self.kv_heads, self.head_dim, device=device).tensors()
-        return (torch.zeros(shape, dtype=self.dtype, device=device), torch.zeros(shape, dtype=self.dtype, device=device))
+        return (huge_pages.zeros(shape, self.dtype, device), huge_pages.zeros(shape, self.dtype, device))
 
 
 @dataclass
@@ -222,9 +222,9 @@ class DecoderProgram:
                      num_cold: int = 0) -> list[tuple[torch.Tensor, ...]]:
         """Per-layer cache tensors: ``(k_cache, v_cache)`` of ``[num_blocks, page_size, kv_heads, head_dim]``,
         plus ``(k_scale, v_scale)`` for a quantized cache; a hot/cold cache has ``num_blocks`` hot pages
-        (ids ``0 .. num_blocks - 1``) and ``num_cold`` cold ones (ids from ``num_blocks`` on); on CPU in huge pages."""
-        return [tuple(map(huge_pages.moved, s.allocate(num_blocks, self.page_size, device, num_cold)))
-                for s in self.layers]
+        (ids ``0 .. num_blocks - 1``) and ``num_cold`` cold ones (ids from ``num_blocks`` on); on CPU in huge pages
+        (``huge_pages.zeros``)."""
+        return [s.allocate(num_blocks, self.page_size, device, num_cold) for s in self.layers]
 
     def graph_inputs(self, input_ids: torch.Tensor, meta: AttentionMetadata,
                      kv_cache: list[tuple[torch.Tensor, ...]]) -> list:

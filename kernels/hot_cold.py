@@ -36,6 +36,7 @@ import dataclasses
 
 import torch
 
+from . import huge_pages
 from .attention_kernel import launch_paged_attention
 from .paged_attention import attend_pages_ref, check_same_device, check_stream_args, check_variant
 from .quant import FP8_DTYPE, QuantLayout, dequantize_fp8, dequantize_int4, fp8_layout, get_scheme, int4_layout
@@ -208,8 +209,7 @@ def allocate_mixed(num_hot: int, num_cold: int, page_size: int, kv_heads: int, h
     ``(k_hot, v_hot)``. (The ops take the hot pages first: ``paged_attention_mixed(q, *layer[4:], *layer[:4], ...)``.)"""
     shape = (num_hot, page_size, kv_heads, head_dim)
     cold = get_scheme(scheme).allocate(max(num_cold, 1), page_size, kv_heads, head_dim, device=device)
-    return (*cold.tensors(), torch.zeros(shape, dtype=dtype, device=device),
-            torch.zeros(shape, dtype=dtype, device=device))
+    return (*cold.tensors(), huge_pages.zeros(shape, dtype, device), huge_pages.zeros(shape, dtype, device))
 
 
 def hot_tensors(layer: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:

@@ -84,6 +84,8 @@ from collections.abc import Callable
 
 import torch
 
+from . import huge_pages
+
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
 FP16_MAX = 65504.0
@@ -277,26 +279,27 @@ class QuantKVCache:
 
 def allocate_fp8(num_blocks: int, page_size: int, kv_heads: int, head_dim: int,
                  device: torch.device | str | None = None) -> QuantKVCache:
-    """Zeroed fp8 data and unit scales (unwritten slots dequantize to 0)."""
+    """Zeroed fp8 data and unit scales (unwritten slots dequantize to 0); on the CPU in huge pages."""
     shape = (num_blocks, page_size, kv_heads, head_dim)
     return QuantKVCache(
-        torch.zeros(shape, dtype=FP8_DTYPE, device=device),
-        torch.zeros(shape, dtype=FP8_DTYPE, device=device),
-        torch.ones(shape[:3], dtype=torch.float32, device=device),
-        torch.ones(shape[:3], dtype=torch.float32, device=device),
+        huge_pages.zeros(shape, FP8_DTYPE, device),
+        huge_pages.zeros(shape, FP8_DTYPE, device),
+        huge_pages.zeros(shape[:3], torch.float32, device).fill_(1.0),
+        huge_pages.zeros(shape[:3], torch.float32, device).fill_(1.0),
     )
 
 
 def allocate_int4(num_blocks: int, page_size: int, kv_heads: int, head_dim: int,
                   device: torch.device | str | None = None) -> QuantKVCache:
-    """Zeroed int4 data and params; groups from :data:`INT4_GROUPS` via :func:`int4_group_size`."""
+    """Zeroed int4 data and params, groups from :data:`INT4_GROUPS` via :func:`int4_group_size`; on the CPU in
+    huge pages."""
     k_group, v_group = (int4_group_size(head_dim, g) for g in INT4_GROUPS)
     data = (num_blocks, page_size, kv_heads, head_dim // 2)
     return QuantKVCache(
-        torch.zeros(data, dtype=torch.uint8, device=device),
-        torch.zeros(data, dtype=torch.uint8, device=device),
-        torch.zeros(*data[:3], head_dim // k_group, 2, dtype=torch.float16, device=device),
-        torch.zeros(*data[:3], head_dim // v_group, 2, dtype=torch.float16, device=device),
+        huge_pages.zeros(data, torch.uint8, device),
+        huge_pages.zeros(data, torch.uint8, device),
+        huge_pages.zeros((*data[:3], head_dim // k_group, 2), torch.float16, device),
+        huge_pages.zeros((*data[:3], head_dim // v_group, 2), torch.float16, device),
     )
 
 

@@ -128,6 +128,14 @@ def test_panel_packing_lands_in_huge_pages(thp):
     assert huge_pages.in_huge_pages(packed(w))
 
 
+def test_zeros_are_made_in_huge_pages_only_where_moved_would_put_them(thp):
+    big = huge_pages.zeros((300, 512), torch.float16)
+    assert huge_pages.in_huge_pages(big) and big.dtype == torch.float16 and not big.any()
+    small = huge_pages.zeros((16, 16), torch.float32)
+    assert not huge_pages.in_huge_pages(small) and not small.any()
+    assert huge_pages.zeros((300, 512), torch.float32, "meta").device.type == "meta"
+
+
 @pytest.mark.parametrize("kind", ["float", "fp8", "int4", "hot_cold"])
 def test_kv_pools_are_allocated_in_huge_pages_as_they_would_be_elsewhere(thp, kind, monkeypatch):
     from types import SimpleNamespace
@@ -138,7 +146,9 @@ def test_kv_pools_are_allocated_in_huge_pages_as_they_would_be_elsewhere(thp, ki
     scheme = None if kind == "float" else get_scheme("int4" if kind == "int4" else "fp8")
     spec = LayerCacheSpec(kv_heads=2, head_dim=64, dtype=torch.float32, scheme=scheme, hot_cold=kind == "hot_cold")
     program = SimpleNamespace(layers=[spec], page_size=16)  # (what new_kv_cache reads)
-    [layer] = DecoderProgram.new_kv_cache(program, 256, "cpu", num_cold=256)
+    with monkeypatch.context() as m:
+        m.setattr(huge_pages, "moved", lambda t: pytest.fail("the pool was copied into huge pages, not made there"))
+        [layer] = DecoderProgram.new_kv_cache(program, 256, "cpu", num_cold=256)
     big = [t for t in layer if t.numel() * t.element_size() >= huge_pages.MIN_BYTES]
     assert big and all(huge_pages.in_huge_pages(t) for t in big)
     monkeypatch.setenv("SPECGRAPH_HUGE_PAGES", "0")
