@@ -38,10 +38,8 @@ constexpr int kWidth = Vec::kWidth;
 constexpr int kVecs = 4;  // panel vectors per tile
 constexpr int kTileRows = (Vec::kRegisters - kVecs - 2) / kVecs;  // 6 (AVX-512) or 2 (AVX2)
 
-// rows [0, R) of x (row stride K) times vectors [v0, v0 + kVecs) of one panel -> y (row stride N),
-// columns from col (those >= N dropped)
-// acc += x[:, k] * panel row k for k in [k0, k1), each row's chain in order of k; with Prefetch,
-// the panel's row k + ahead is prefetched meanwhile
+// acc += x[:, k] * panel row k (its kVecs vectors from wp) for k in [k0, k1), for rows [0, R) of x (row
+// stride K), each row's chain in order of k; with Prefetch, the panel's row k + ahead is prefetched meanwhile
 template <int R, bool Prefetch>
 static inline void fma_rows(typename Vec::T (&acc)[R][kVecs], const float* x, const float* wp, int64_t K, int64_t k0,
                             int64_t k1, int64_t ahead) {
