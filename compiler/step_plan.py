@@ -125,8 +125,9 @@ def set_prefetch(gm: fx.GraphModule, key: str | None, panel_linears: bool) -> st
     the program's own weights and kept beside the step plan; the process-wide settings are made on every
     build, from the kept choice or a new measurement. A kernel whose weights here total under
     :data:`PREFETCH_MIN_BYTES` (they stay in cache, where prefetching decides nothing) is not timed and
-    its setting is left as it is. Returns what was measured and chosen ("" where nothing was)."""
-    from ..kernels import cpu_kernels, prefetch
+    its setting is left as it is. A choice is kept per page size of the weights (huge pages, or 4 KiB ones
+    with ``SPECGRAPH_HUGE_PAGES=0``). Returns what was measured and chosen ("" where nothing was)."""
+    from ..kernels import cpu_kernels, huge_pages, prefetch
     from .graph_cache import measurement_path, read_json, write_json
 
     module = cpu_kernels.load()
@@ -138,7 +139,9 @@ def set_prefetch(gm: fx.GraphModule, key: str | None, panel_linears: bool) -> st
     quantized = quantized if sum(w.numel() * w.element_size() for w, _, _ in quantized) >= PREFETCH_MIN_BYTES else []
     if not floats and not quantized:
         return ""
-    path = measurement_path(key, "prefetch" + ("-panel" if floats else "") + ("-quant" if quantized else ""))
+    # (kept apart for weights in 4 KiB pages: a prefetch there may miss the TLB, so the best distance may differ)
+    pages = "" if huge_pages.available() else "-4k-pages"
+    path = measurement_path(key, "prefetch" + ("-panel" if floats else "") + ("-quant" if quantized else "") + pages)
     kept = read_json(path) if path is not None else None
     try:
         panel, quant, line = kept.get("panel"), kept.get("quant"), str(kept["line"])

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specgraph.kernels import prefetch
+from specgraph.kernels import huge_pages, prefetch
 from specgraph.kernels.quant_linear import quantize_weight
 
 
@@ -49,6 +49,7 @@ def test_a_build_measures_the_distances_once_per_machine_and_sets_them_every_tim
     from specgraph.compiler import step_plan
 
     monkeypatch.setenv("SPECGRAPH_GRAPH_CACHE", str(tmp_path))
+    monkeypatch.setattr(huge_pages, "available", lambda: True)
     root = torch.nn.Module()
     data, scales = quantize_weight(torch.randn(96, 64), "int8")
     root.register_buffer("w", data)
@@ -74,3 +75,9 @@ def test_a_build_measures_the_distances_once_per_machine_and_sets_them_every_tim
     kept.write_text("{not json")
     monkeypatch.setattr(prefetch, "choose_quant_prefetch", lambda linears: (1024, "measured again"))
     assert step_plan.set_prefetch(gm, "key", panel_linears=True) == "measured again"
+    monkeypatch.setattr(huge_pages, "available", lambda: False)  # weights in 4 KiB pages: their own choice
+    monkeypatch.setattr(prefetch, "choose_quant_prefetch", lambda linears: (8192, "in 4 KiB pages"))
+    assert step_plan.set_prefetch(gm, "key", panel_linears=True) == "in 4 KiB pages"
+    assert step_plan.set_prefetch(gm, "key", panel_linears=True).endswith(": in 4 KiB pages")
+    monkeypatch.setattr(huge_pages, "available", lambda: True)
+    assert step_plan.set_prefetch(gm, "key", panel_linears=True).endswith(": measured again")
