@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import math
 import mmap
 import os
 import threading
@@ -86,9 +87,7 @@ _lock = threading.Lock()  # (a background step compile packs weights while the c
 def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A contiguous zeroed CPU tensor in memory that asks to be backed by huge pages."""
     global _filling
-    count = 1
-    for size in shape:
-        count *= size
+    count = math.prod(shape)
     nbytes = count * torch.empty((), dtype=dtype).element_size()
     if nbytes == 0:
         return torch.empty(shape, dtype=dtype)
@@ -110,13 +109,16 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str
     pool is made rather than in decode steps. A 2 GiB pool on an Intel Xeon: 0.31 s, where ``torch.zeros`` in
     4 KiB pages took 0.39 s and zeroing then copying into huge pages 0.77 s; a process's first such pool took
     3.3 s, the kernel gathering free huge pages (the copy paid that too)."""
-    count = 1
-    for size in shape:
-        count *= size
-    on_cpu = (torch.device(device) if device is not None else torch.get_default_device()).type == "cpu"
-    if not on_cpu or count * torch.empty((), dtype=dtype).element_size() < MIN_BYTES or not available():
+    device = torch.device(device) if device is not None else torch.get_default_device()
+    if not _placed_here(device, math.prod(shape) * torch.empty((), dtype=dtype).element_size()):
         return torch.zeros(shape, dtype=dtype, device=device)
     return empty(tuple(shape), dtype).zero_()
+
+
+def _placed_here(device: torch.device, nbytes: int) -> bool:
+    """Whether a tensor of ``nbytes`` on ``device`` goes to huge pages: a CPU tensor of at least
+    :data:`MIN_BYTES`, huge pages available."""
+    return device.type == "cpu" and nbytes >= MIN_BYTES and available()
 
 
 def in_huge_pages(t: torch.Tensor) -> bool:
@@ -128,7 +130,7 @@ def in_huge_pages(t: torch.Tensor) -> bool:
 def moved(t: torch.Tensor) -> torch.Tensor:
     """``t``'s values in huge pages: a copy when ``t`` is a CPU tensor of at least :data:`MIN_BYTES` and
     huge pages are available and ``t`` is not in them already, else ``t`` itself."""
-    if t.device.type != "cpu" or t.numel() * t.element_size() < MIN_BYTES or not available() or in_huge_pages(t):
+    if not _placed_here(t.device, t.numel() * t.element_size()) or in_huge_pages(t):
         return t
     out = empty(tuple(t.shape), t.dtype)
     out.copy_(t)
