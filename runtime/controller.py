@@ -189,9 +189,10 @@ class SpeculationController:
 
     def engine_wide(self) -> dict:
         """A copy of the engine-wide estimates (acceptance overall and per evidence class, tokens per tree
-        verify): what every new sequence starts from (:meth:`forget_acceptance` can return to it)."""
+        verify, what lookups have saved): what every new sequence starts from (:meth:`forget_acceptance` can
+        return to it)."""
         return copy.deepcopy(dict(acceptance=self.global_acceptance, by_evidence=self.global_by_evidence,
-                                  tree=self.global_tree))
+                                  tree=self.global_tree, lookup_savings=self.lookups.savings()))
 
     def forget_acceptance(self, start: dict | None = None) -> None:
         """Forget every sequence's estimates, and set the engine-wide ones to ``start`` (an
@@ -199,12 +200,12 @@ class SpeculationController:
         prior. Costs are kept."""
         start = copy.deepcopy(start) if start is not None else dict(
             acceptance=Acceptance.prior(self.max_drafts, self.prior_rate, decay=self.global_decay), by_evidence={},
-            tree=TreeRecord(decay=self.global_decay))
+            tree=TreeRecord(decay=self.global_decay), lookup_savings=None)
         self.global_acceptance, self.global_by_evidence = start["acceptance"], start["by_evidence"]
         self.global_tree = start["tree"]
         self.records.clear()
         self.trees.clear()
-        self.lookups.forget()
+        self.lookups.forget(start["lookup_savings"])
 
     # ---------------------------------------------------------------- decisions
     def record(self, request_id: int) -> SequenceRecord:
@@ -265,7 +266,6 @@ class SpeculationController:
         # length: taking the largest such gain first gives the most tokens for every stream size.
         # Walk the stream sizes in that order and keep the best worth per second seen.
         best_rate, best = -1.0, list(ks)
-        floor_rate = None
         extra = 0
         # Stop once no larger plan can win: none is worth more than taking every draft (worth never falls
         # as tokens grow) or costs less than the cheapest larger stream (drafting counted at today's
@@ -275,7 +275,6 @@ class SpeculationController:
         while True:
             seconds = self._plan_seconds(base + extra, ks, per_position)
             rate = worth(tokens) / seconds if seconds > 0 else float("inf")
-            floor_rate = rate if floor_rate is None else floor_rate
             if rate > best_rate * (1 + 1e-9):
                 best_rate, best = rate, list(ks)
             gains = [(curves[i][k], i) for i, (k, cap) in enumerate(zip(ks, caps)) if k < cap]
@@ -288,20 +287,21 @@ class SpeculationController:
             ks[i] += 1
             tokens[i] += gain
             extra += 1
-        gain_rates = (best_rate, floor_rate)
         # the walk read each sequence's expected tokens: exact for one sequence, not for several (expected_worth)
-        if remaining is not None and len(recs) > 1 and best != floor_ks:
-            gain_rates = exact = [self.expected_worth(remaining, [c[:k] for c, k in zip(curves, plan)])
-                                  / self._plan_seconds(other_tokens + len(recs) + sum(plan), plan, per_position)
-                                  for plan in (best, floor_ks)]
-            if exact[0] <= exact[1]:
-                best, best_rate = floor_ks, exact[1]
+        exact = remaining is not None and len(recs) > 1 and best != floor_ks
+
+        def worth_of(plan: list[int]) -> float:
+            gains = [c[:k] for c, k in zip(curves, plan)]
+            return self.expected_worth(remaining, gains) if exact else worth([1.0 + sum(g) for g in gains])
+
+        def seconds_of(plan: list[int]) -> float:
+            return self._plan_seconds(other_tokens + len(recs) + sum(plan), plan, per_position)
+
+        if exact and worth_of(best) / seconds_of(best) <= worth_of(floor_ks) / seconds_of(floor_ks):
+            best, best_rate = floor_ks, worth_of(floor_ks) / seconds_of(floor_ks)
         ks = best
         self.last_rate = best_rate
-        # (plain decoding would take rate_best / rate_floor times the plan's seconds for what the plan is worth)
-        seconds = self._plan_seconds(other_tokens + len(recs) + sum(ks), ks, per_position)
-        self.last_saving = (seconds * (gain_rates[0] / gain_rates[1] - 1.0)
-                            if ks != floor_ks and 0 < gain_rates[1] < float("inf") else 0.0)
+        self.last_saving = self._saving(ks, floor_ks, worth_of, seconds_of, len(recs), worth) if ks != floor_ks else 0.0
         self.probes = set()
         if not (drafting_cost and probe):  # after drafting (or with shadows) nothing is probed
             return ks
@@ -314,6 +314,20 @@ class SpeculationController:
                 ks[i] = min(cap, self.probe_length)  # re-probe a sequence speculation was turned off for
                 self.probes.add(request_ids[i])
         return ks
+
+    def _saving(self, plan: list[int], floor: list[int], worth_of: Callable[[list[int]], float],
+                seconds_of: Callable[[list[int]], float], decodes: int,
+                worth: Callable[[Sequence[float]], float]) -> float:
+        """Seconds ``plan`` is expected to save over ``floor`` (the lookup gate's measure of a look): what plain
+        decode steps of these ``decodes`` sequences would take to make its extra worth, less its extra seconds.
+        Priced at a plain decode step's rate, not at this step's: beside a prefill chunk a step's rate is low,
+        and at it a draft worth half a token read as a saving of several decode steps."""
+        plain_worth = worth([1.0] * decodes)
+        if plain_worth <= 0:
+            return 0.0
+        plain_seconds = self._plan_seconds(decodes, [0] * decodes, 0.0)
+        extra_worth = worth_of(plan) - worth_of(floor)
+        return extra_worth * plain_seconds / plain_worth - (seconds_of(plan) - seconds_of(floor))
 
     def _cheapest_from(self, base: int, extra: int) -> list[float]:
         """``out[e]``: the least :meth:`_plan_seconds` reads a forward of ``base + e'`` tokens to cost over

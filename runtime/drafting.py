@@ -169,6 +169,8 @@ class Speculation:
         shadowing = controller is not None and getattr(self.proposer, "writes_cache", True) is False
         remaining = [r.max_new_tokens - len(r.output_ids) for r in decodes] if draining and not other_tokens else None
         if shadowing and self.tree is None:
+            if any(i not in controller.records for i in ids):  # a sequence's first decode: its drafts are unknown
+                controller.lookups.look_next()
             if not ids or not controller.lookups.should_look():  # (not worth its host time lately)
                 return {}
             t0 = time.perf_counter()

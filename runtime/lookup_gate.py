@@ -10,14 +10,21 @@ The gate weighs what looking is worth against what it costs, both measured: each
 seconds it saves over plain decoding (:attr:`~.controller.SpeculationController.last_saving`, 0 when it
 chose plain decoding), and the host seconds of each look are timed; both are decayed means over looks,
 the saving's with a long memory (in chat a strong match comes every few dozen steps and saves 20-50
-times a look's cost) and trusted only after ``min_looks`` looks. While looking is worth its cost every
-step looks. Otherwise a look comes every ``cost / saving`` steps (at most every ``max_wait``), so the
-estimates stay current and a sequence whose text turns repetitive is seen within a few steps: a look
-whose plan saves many times the cost reopens the gate at once.
+times a look's cost) and trusted only after ``min_looks`` looks. The means weigh every look by its age
+alone: a mean that starts at its first sample keeps that sample's weight for dozens of looks, and one
+early strong match held the gate open for a whole closed batch of chat that never speculated again.
+
+While looking is worth its cost every step looks. Otherwise a look comes every ``cost / saving`` steps
+(at most every ``max_wait``), so the estimates stay current and a sequence whose text turns repetitive is
+seen within a few steps: a look whose plan saves many times the cost reopens the gate at once. A
+sequence's first decode step always looks (``look_next``): a prompt full of code to copy opens the gate
+on its first step, not up to ``max_wait`` steps later. The savings are the engine's, like its acceptance
+estimates, and are kept and restored with them (``SpeculationController.engine_wide``).
 A skipped step is a plain decode: the choice changes speed only, never the output.
 """
 from __future__ import annotations
 
+import copy
 import math
 
 
@@ -29,18 +36,19 @@ class LookupGate:
         if max_wait < 1:
             raise ValueError(f"max_wait must be >= 1; got {max_wait}")
         self.decay, self.max_wait, self.min_looks = decay, max_wait, min_looks
-        self.saving: float | None = None  # decayed mean seconds a look's plan predicts to save
+        self.saving = DecayedMean(decay)  # seconds a look's plan predicts to save
         self.looks = 0  # savings observed since the gate was made or forgot
-        self.cost: float | None = None  # decayed mean host seconds of a look
+        self.cost = DecayedMean(decay)  # host seconds of a look
         self._spent = 0.0  # host seconds of the last look so far
         self._waited = 0  # steps since the last look
         self.skipped = 0  # steps that did not look
 
     def wait(self) -> int:
         """Steps from one look to the next: 1 while looking is worth its cost."""
-        if self.looks < self.min_looks or self.cost is None or self.saving >= self.cost:
+        saving, cost = self.saving.value, self.cost.value
+        if self.looks < self.min_looks or cost is None or saving is None or saving >= cost:
             return 1
-        return min(self.max_wait, math.floor(self.cost / self.saving) if self.saving > 0 else self.max_wait)
+        return min(self.max_wait, math.floor(cost / saving) if saving > 0 else self.max_wait)
 
     def should_look(self) -> bool:
         self._waited += 1
@@ -49,20 +57,43 @@ class LookupGate:
             return False
         self._waited = 0
         if self._spent:  # the previous look's cost is complete: its shadows were scored on the steps since
-            self.cost = self._mean(self.cost, self._spent)
+            self.cost.add(self._spent)
             self._spent = 0.0
         return True
 
-    def forget(self) -> None:
-        """Forget the savings (with the acceptance they came from); the cost, this machine's, is kept."""
-        self.saving, self.looks, self._waited = None, 0, 0
+    def savings(self) -> tuple[DecayedMean, int]:
+        """What looks have saved, and how many looks that is (for :meth:`forget`)."""
+        return copy.deepcopy(self.saving), self.looks
+
+    def forget(self, savings: tuple[DecayedMean, int] | None = None) -> None:
+        """Forget the savings (with the acceptance they came from), or return to ``savings`` (:meth:`savings`
+        of a served engine: its acceptance comes back with them); the cost, this machine's, is kept."""
+        saving, self.looks = copy.deepcopy(savings) if savings is not None else (DecayedMean(self.decay), 0)
+        self.saving, self._waited = saving, 0
+
+    def look_next(self) -> None:
+        """The next :meth:`should_look` looks (a sequence starts decoding: its drafts are unknown)."""
+        self._waited = self.max_wait
 
     def spend(self, seconds: float) -> None:
         self._spent += seconds
 
     def observe_saving(self, seconds: float) -> None:
-        self.saving = self._mean(self.saving, max(0.0, seconds))
+        self.saving.add(max(0.0, seconds))
         self.looks += 1
 
-    def _mean(self, mean: float | None, sample: float) -> float:
-        return sample if mean is None else mean + (1.0 - self.decay) * (sample - mean)
+
+class DecayedMean:
+    """``sum(decay**age * x) / sum(decay**age)`` over the samples so far (None before any): each sample
+    weighs by its age alone, the first as little as any other of its age."""
+
+    def __init__(self, decay: float):
+        self.decay, self._sum, self._weight = decay, 0.0, 0.0
+
+    @property
+    def value(self) -> float | None:
+        return self._sum / self._weight if self._weight else None
+
+    def add(self, sample: float) -> None:
+        self._sum = self.decay * self._sum + sample
+        self._weight = self.decay * self._weight + 1.0

@@ -89,6 +89,19 @@ def test_plan_speculates_when_it_pays_and_not_when_it_does_not():
     assert ctl.plan([1], [0], 0) == [0]  # a cap of 0 is kept
 
 
+def test_a_plan_beside_a_prefill_chunk_prices_its_saving_at_a_plain_decode_steps_rate():
+    """Beside a 100-token prefill chunk a step is slow, and its tokens per second low: the saving the lookup
+    gate is told is what plain decode steps would take for the extra tokens, less the extra seconds, not the
+    extra tokens at this step's rate (which read 2.4 tokens as ten decode steps saved)."""
+    table = ForwardCost({1: 1.0, 8: 1.05, 9: 2.0, 200: 10.0})
+    ctl = SpeculationController(4, table)
+    ctl.record(1).acceptance = Acceptance.prior(4, 0.6)
+    assert ctl.plan([1], [4], 100) == [4]
+    extra_tokens = sum(0.6 ** j for j in range(1, 5))
+    want = extra_tokens * table.optimistic(1) - (table.optimistic(105) - table.optimistic(101))
+    assert ctl.last_saving == pytest.approx(want) and want < 3 * table.optimistic(1)
+
+
 def test_each_evidence_class_learns_its_own_acceptance_and_a_new_sequence_inherits_it():
     """n-gram drafts from a 3-token match are kept far more often than from a 1-token one: with a verify
     at 1.4x a decode, one sequence verifies its strong drafts and not its weak ones, and a new sequence
@@ -107,8 +120,11 @@ def test_each_evidence_class_learns_its_own_acceptance_and_a_new_sequence_inheri
     served = ctl.engine_wide()
     ctl.forget_acceptance()  # back to the prior: nothing seen
     assert ctl.plan([1], [4], 0, drafting_cost=False, probe=False, evidence=[3]) == [0]
+    ctl.lookups.observe_saving(1e-2)
+    assert ctl.lookups.looks == 1
     for _ in range(2):  # back to a served engine's state, whatever the runs in between learned
         ctl.forget_acceptance(served)
+        assert ctl.lookups.looks == 0 and ctl.lookups.saving.value is None  # (none had looked when it was served)
         assert ctl.acceptance(3, 3).rates()[0] >= 0.9
         for _ in range(30):
             ctl.observe_decode(3, 4, 0, evidence=3)

@@ -3,7 +3,7 @@ cost (and for the first min_looks looks), every cost/saving steps (at most max_w
 saving reopens the gate at once."""
 import pytest
 
-from specgraph.runtime.lookup_gate import LookupGate
+from specgraph.runtime.lookup_gate import DecayedMean, LookupGate
 
 
 def _looks(gate: LookupGate, steps: int, saving: float, cost: float) -> list[int]:
@@ -32,10 +32,33 @@ def test_lookups_that_save_nothing_run_every_max_wait_steps_after_min_looks():
 
 def test_a_small_saving_waits_cost_over_saving_steps():
     gate = LookupGate(max_wait=8, min_looks=0)
-    gate.saving, gate.cost = 5e-5, 2e-4
+    gate.saving.add(5e-5)
+    gate.cost.add(2e-4)
     assert gate.wait() == 4
-    gate.saving = 1.9e-4
+    gate.saving = DecayedMean(gate.decay)
+    gate.saving.add(1.9e-4)
     assert gate.wait() == 1  # (floor: a wait of one step costs what it saves)
+
+
+def test_one_early_strong_match_does_not_hold_the_gate_open():
+    """Chat in a closed batch: one look's plan saves much (a strong match), every later one nothing. The
+    means weigh looks by age alone, so that first saving counts as one look among many and the gate shuts
+    once the saving it predicts per look falls below a look's cost."""
+    gate = LookupGate(max_wait=8, min_looks=16)
+    gate.should_look()
+    gate.spend(3e-4)
+    gate.observe_saving(7e-3)
+    looked = _looks(gate, 63, saving=0.0, cost=3e-4)
+    assert gate.saving.value < gate.cost.value
+    assert len(looked) < 45  # (a mean that started at 7e-3 stayed above 3e-4 for 100 looks: every step looked)
+
+
+def test_decayed_mean_weighs_samples_by_age_alone():
+    mean = DecayedMean(0.5)
+    assert mean.value is None
+    for x in (8.0, 0.0, 0.0):
+        mean.add(x)
+    assert mean.value == pytest.approx(8.0 * 0.25 / (1 + 0.5 + 0.25))
 
 
 def test_a_large_saving_reopens_the_gate_and_forget_keeps_the_cost():
@@ -45,7 +68,20 @@ def test_a_large_saving_reopens_the_gate_and_forget_keeps_the_cost():
     gate.observe_saving(1e-2)  # a look whose plan verifies a strong draft
     assert gate.wait() == 1
     gate.forget()
-    assert gate.saving is None and gate.looks == 0 and gate.cost == pytest.approx(2e-4) and gate.wait() == 1
+    assert gate.saving.value is None and gate.looks == 0 and gate.cost.value == pytest.approx(2e-4)
+    assert gate.wait() == 1
+
+
+def test_forget_returns_to_kept_savings_and_a_new_sequence_looks_at_once():
+    gate = LookupGate(max_wait=8, min_looks=4)
+    _looks(gate, 20, saving=0.0, cost=2e-4)
+    served = gate.savings()
+    gate.observe_saving(1e-2)
+    gate.forget(served)  # a served engine's state: lookups lately saved nothing
+    assert gate.looks == served[1] and gate.saving.value == 0.0 and gate.wait() == 8
+    assert not gate.should_look()
+    gate.look_next()  # a sequence starts decoding
+    assert gate.should_look() and not gate.should_look()
 
 
 def test_max_wait_must_be_positive():
@@ -65,7 +101,9 @@ def test_an_engine_whose_lookups_do_not_pay_skips_them_and_keeps_greedy_output()
     want = [r.token_ids for r in plain.generate(prompts, max_new_tokens=24, ignore_eos=True)]
     spec = specgraph.Engine(model, lowering="eager", num_blocks=64, page_size=8, draft="ngram", num_draft_tokens=3)
     gate = spec.controller.lookups
-    gate.max_wait, gate.min_looks, gate.saving, gate.cost = 4, 0, 0.0, 1.0
+    gate.max_wait, gate.min_looks = 4, 0
+    gate.saving.add(0.0)
+    gate.cost.add(1.0)
     gate.observe_saving = lambda seconds: None  # (keep it shut)
     gate.spend = lambda seconds: None
     assert [r.token_ids for r in spec.generate(prompts, max_new_tokens=24, ignore_eos=True)] == want
