@@ -189,23 +189,24 @@ class SpeculationController:
 
     def engine_wide(self) -> dict:
         """A copy of the engine-wide estimates (acceptance overall and per evidence class, tokens per tree
-        verify, what lookups have saved): what every new sequence starts from (:meth:`forget_acceptance` can
-        return to it)."""
+        verify): what every new sequence starts from (:meth:`forget_acceptance` can return to it)."""
         return copy.deepcopy(dict(acceptance=self.global_acceptance, by_evidence=self.global_by_evidence,
-                                  tree=self.global_tree, lookup_savings=self.lookups.savings()))
+                                  tree=self.global_tree))
 
     def forget_acceptance(self, start: dict | None = None) -> None:
         """Forget every sequence's estimates, and set the engine-wide ones to ``start`` (an
         :meth:`engine_wide` copy: a served engine's state after earlier traffic) or, by default, to the
-        prior. Costs are kept."""
+        prior. Costs are kept; what lookups saved is forgotten (the lookup gate learns it again in its first
+        ``min_looks`` looks: a served engine's savings came from other batches, and on chat at batch 4 the
+        savings its warm-up had seen held the gate open through a batch whose looks saved nothing)."""
         start = copy.deepcopy(start) if start is not None else dict(
             acceptance=Acceptance.prior(self.max_drafts, self.prior_rate, decay=self.global_decay), by_evidence={},
-            tree=TreeRecord(decay=self.global_decay), lookup_savings=None)
+            tree=TreeRecord(decay=self.global_decay))
         self.global_acceptance, self.global_by_evidence = start["acceptance"], start["by_evidence"]
         self.global_tree = start["tree"]
         self.records.clear()
         self.trees.clear()
-        self.lookups.forget(start["lookup_savings"])
+        self.lookups.forget()
 
     # ---------------------------------------------------------------- decisions
     def record(self, request_id: int) -> SequenceRecord:

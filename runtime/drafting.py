@@ -161,18 +161,19 @@ class Speculation:
         controller = self.ready_controller() if self.adaptive else None
         if self.tree is not None and controller is None:
             return self._draft_trees(decodes)
+        ids = [r.request_id for r in decodes]
+        shadowing = controller is not None and getattr(self.proposer, "writes_cache", True) is False
+        if shadowing and self.tree is None:  # (the gate first: a step that does not look does nothing more)
+            if any(i not in controller.records for i in ids):  # a sequence's first decode: its drafts are unknown
+                controller.lookups.look_next()
+            if not ids or not controller.lookups.should_look(len(ids)):  # (not worth its host time lately)
+                return {}
         longest = self.tree.depth if self.tree is not None else self.num_draft_tokens
         caps = [min(longest if r.num_draft_tokens is None else min(r.num_draft_tokens, longest),
                     r.max_new_tokens - len(r.output_ids) - 1) for r in decodes]
         other_tokens = sum(c.num_tokens for c in chunks) - len(decodes)
-        ids = [r.request_id for r in decodes]
-        shadowing = controller is not None and getattr(self.proposer, "writes_cache", True) is False
         remaining = [r.max_new_tokens - len(r.output_ids) for r in decodes] if draining and not other_tokens else None
         if shadowing and self.tree is None:
-            if any(i not in controller.records for i in ids):  # a sequence's first decode: its drafts are unknown
-                controller.lookups.look_next()
-            if not ids or not controller.lookups.should_look():  # (not worth its host time lately)
-                return {}
             t0 = time.perf_counter()
             drafts = self._look_then_choose(decodes, caps, other_tokens, remaining)
             controller.lookups.spend(time.perf_counter() - t0)

@@ -18,30 +18,50 @@ While looking is worth its cost every step looks. Otherwise a look comes every `
 (at most every ``max_wait``), so the estimates stay current and a sequence whose text turns repetitive is
 seen within a few steps: a look whose plan saves many times the cost reopens the gate at once. A
 sequence's first decode step always looks (``look_next``): a prompt full of code to copy opens the gate
-on its first step, not up to ``max_wait`` steps later. The savings are the engine's, like its acceptance
-estimates, and are kept and restored with them (``SpeculationController.engine_wide``).
+on its first step, not up to ``max_wait`` steps later. The savings are kept by batch size (see :class:`LookupGate`).
 A skipped step is a plain decode: the choice changes speed only, never the output.
 """
 from __future__ import annotations
 
-import copy
 import math
+from dataclasses import dataclass
 
 
 class LookupGate:
-    """``should_look()`` each step; ``spend(seconds)`` for the host time of the last look (lookups, plan, and
-    the scoring of its shadow drafts, which may come steps later); ``observe_saving(seconds)`` per look."""
+    """``should_look(decodes)`` each step (``decodes``: the step's decoding sequences); ``spend(seconds)`` for the
+    host time of the last look (lookups, plan, and the scoring of its shadow drafts, which may come steps
+    later); ``observe_saving(seconds)`` per look.
+
+    Savings are kept by batch size (decoding sequences, in powers of two): the same drafts that save a third
+    of a step for one sequence save nothing for four sequences of a closed batch, so one mean over both kept
+    a served engine's gate open on chat at batch 4 from what its batch-1 code requests had saved."""
 
     def __init__(self, decay: float = 0.97, max_wait: int = 8, min_looks: int = 16):
         if max_wait < 1:
             raise ValueError(f"max_wait must be >= 1; got {max_wait}")
         self.decay, self.max_wait, self.min_looks = decay, max_wait, min_looks
-        self.saving = DecayedMean(decay)  # seconds a look's plan predicts to save
-        self.looks = 0  # savings observed since the gate was made or forgot
+        self._by_size: dict[int, Savings] = {}  # batch size class -> what its looks' plans predicted to save
+        self._size = 1  # the batch size class of the current step
         self.cost = DecayedMean(decay)  # host seconds of a look
         self._spent = 0.0  # host seconds of the last look so far
         self._waited = 0  # steps since the last look
         self.skipped = 0  # steps that did not look
+
+    @property
+    def saving(self) -> DecayedMean:
+        """Seconds a look's plan predicts to save, at the current step's batch size."""
+        return self._savings().mean
+
+    @property
+    def looks(self) -> int:
+        """Savings observed at the current step's batch size since the gate was made or forgot."""
+        return self._savings().looks
+
+    def _savings(self) -> "Savings":
+        out = self._by_size.get(self._size)
+        if out is None:
+            out = self._by_size[self._size] = Savings(DecayedMean(self.decay))
+        return out
 
     def wait(self) -> int:
         """Steps from one look to the next: 1 while looking is worth its cost."""
@@ -50,7 +70,8 @@ class LookupGate:
             return 1
         return min(self.max_wait, math.floor(cost / saving) if saving > 0 else self.max_wait)
 
-    def should_look(self) -> bool:
+    def should_look(self, decodes: int = 1) -> bool:
+        self._size = 1 << max(0, decodes - 1).bit_length()
         self._waited += 1
         if self._waited < self.wait():
             self.skipped += 1
@@ -61,15 +82,9 @@ class LookupGate:
             self._spent = 0.0
         return True
 
-    def savings(self) -> tuple[DecayedMean, int]:
-        """What looks have saved, and how many looks that is (for :meth:`forget`)."""
-        return copy.deepcopy(self.saving), self.looks
-
-    def forget(self, savings: tuple[DecayedMean, int] | None = None) -> None:
-        """Forget the savings (with the acceptance they came from), or return to ``savings`` (:meth:`savings`
-        of a served engine: its acceptance comes back with them); the cost, this machine's, is kept."""
-        saving, self.looks = copy.deepcopy(savings) if savings is not None else (DecayedMean(self.decay), 0)
-        self.saving, self._waited = saving, 0
+    def forget(self) -> None:
+        """Forget the savings (with the acceptance they came from); the cost, this machine's, is kept."""
+        self._by_size, self._waited = {}, 0
 
     def look_next(self) -> None:
         """The next :meth:`should_look` looks (a sequence starts decoding: its drafts are unknown)."""
@@ -79,8 +94,17 @@ class LookupGate:
         self._spent += seconds
 
     def observe_saving(self, seconds: float) -> None:
-        self.saving.add(max(0.0, seconds))
-        self.looks += 1
+        savings = self._savings()
+        savings.mean.add(max(0.0, seconds))
+        savings.looks += 1
+
+
+@dataclass
+class Savings:
+    """What the looks at one batch size predicted to save, and how many looks that is."""
+
+    mean: "DecayedMean"
+    looks: int = 0
 
 
 class DecayedMean:

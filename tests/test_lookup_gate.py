@@ -3,7 +3,7 @@ cost (and for the first min_looks looks), every cost/saving steps (at most max_w
 saving reopens the gate at once."""
 import pytest
 
-from specgraph.runtime.lookup_gate import DecayedMean, LookupGate
+from specgraph.runtime.lookup_gate import DecayedMean, LookupGate, Savings
 
 
 def _looks(gate: LookupGate, steps: int, saving: float, cost: float) -> list[int]:
@@ -35,9 +35,26 @@ def test_a_small_saving_waits_cost_over_saving_steps():
     gate.saving.add(5e-5)
     gate.cost.add(2e-4)
     assert gate.wait() == 4
-    gate.saving = DecayedMean(gate.decay)
+    gate.forget()
     gate.saving.add(1.9e-4)
     assert gate.wait() == 1  # (floor: a wait of one step costs what it saves)
+
+
+def test_savings_are_kept_by_batch_size():
+    """Lookups that save much for one sequence (code at batch 1) and nothing for four (chat in a closed batch):
+    the gate looks every step at batch 1 and shuts at batch 4 (3 and 4 sequences share a class)."""
+    gate = LookupGate(max_wait=8, min_looks=4)
+    for step in range(40):
+        decodes = 1 if step % 2 else 4 - step % 4 // 2  # batch 1, then 4 or 3
+        if gate.should_look(decodes):
+            gate.spend(2e-4)
+            gate.observe_saving(1e-2 if decodes == 1 else 0.0)
+    gate.should_look(1)
+    assert gate.wait() == 1 and gate.looks >= 4
+    gate.should_look(3)
+    assert gate.wait() == 8 and gate.saving.value == 0.0
+    gate.forget()
+    assert gate.looks == 0 and gate.wait() == 1
 
 
 def test_one_early_strong_match_does_not_hold_the_gate_open():
@@ -72,14 +89,10 @@ def test_a_large_saving_reopens_the_gate_and_forget_keeps_the_cost():
     assert gate.wait() == 1
 
 
-def test_forget_returns_to_kept_savings_and_a_new_sequence_looks_at_once():
+def test_a_new_sequence_looks_at_once_through_a_shut_gate():
     gate = LookupGate(max_wait=8, min_looks=4)
     _looks(gate, 20, saving=0.0, cost=2e-4)
-    served = gate.savings()
-    gate.observe_saving(1e-2)
-    gate.forget(served)  # a served engine's state: lookups lately saved nothing
-    assert gate.looks == served[1] and gate.saving.value == 0.0 and gate.wait() == 8
-    assert not gate.should_look()
+    assert gate.wait() == 8 and not gate.should_look()
     gate.look_next()  # a sequence starts decoding
     assert gate.should_look() and not gate.should_look()
 
@@ -102,7 +115,9 @@ def test_an_engine_whose_lookups_do_not_pay_skips_them_and_keeps_greedy_output()
     spec = specgraph.Engine(model, lowering="eager", num_blocks=64, page_size=8, draft="ngram", num_draft_tokens=3)
     gate = spec.controller.lookups
     gate.max_wait, gate.min_looks = 4, 0
-    gate.saving.add(0.0)
+    shut = DecayedMean(gate.decay)
+    shut.add(0.0)
+    gate._by_size[4] = Savings(shut)  # (three sequences decode: the class of 3-4)
     gate.cost.add(1.0)
     gate.observe_saving = lambda seconds: None  # (keep it shut)
     gate.spend = lambda seconds: None
