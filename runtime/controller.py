@@ -291,9 +291,14 @@ class SpeculationController:
         # the walk read each sequence's expected tokens: exact for one sequence, not for several (expected_worth)
         exact = remaining is not None and len(recs) > 1 and best != floor_ks
 
+        worths: dict[tuple[int, ...], float] = {}  # (the exact worth is dear: each plan's once)
+
         def worth_of(plan: list[int]) -> float:
-            gains = [c[:k] for c, k in zip(curves, plan)]
-            return self.expected_worth(remaining, gains) if exact else worth([1.0 + sum(g) for g in gains])
+            key = tuple(plan)
+            if key not in worths:
+                gains = [c[:k] for c, k in zip(curves, plan)]
+                worths[key] = self.expected_worth(remaining, gains) if exact else worth([1.0 + sum(g) for g in gains])
+            return worths[key]
 
         def seconds_of(plan: list[int]) -> float:
             return self._plan_seconds(other_tokens + len(recs) + sum(plan), plan, per_position)
