@@ -18,7 +18,8 @@ While looking is worth its cost every step looks. Otherwise a look comes every `
 (at most every ``max_wait``), so the estimates stay current and a sequence whose text turns repetitive is
 seen within a few steps: a look whose plan saves many times the cost reopens the gate at once. A
 sequence's first decode step always looks (``look_next``): a prompt full of code to copy opens the gate
-on its first step, not up to ``max_wait`` steps later. The savings are kept by batch size (see :class:`LookupGate`).
+on its first step, not up to ``max_wait`` steps later. The savings are kept by batch size
+(:class:`LookupGate`).
 A skipped step is a plain decode: the choice changes speed only, never the output.
 """
 from __future__ import annotations
@@ -33,8 +34,8 @@ class LookupGate:
     later); ``observe_saving(seconds)`` per look.
 
     Savings are kept by batch size (decoding sequences, in powers of two): the same drafts that save a third
-    of a step for one sequence save nothing for four sequences of a closed batch, so one mean over both kept
-    a served engine's gate open on chat at batch 4 from what its batch-1 code requests had saved."""
+    of a step for one sequence save nothing for four tied sequences of a closed batch, and one mean over all
+    sizes let what looks had saved at one size open the gate at another."""
 
     def __init__(self, decay: float = 0.97, max_wait: int = 8, min_looks: int = 16):
         if max_wait < 1:
