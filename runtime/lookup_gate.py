@@ -58,7 +58,7 @@ class LookupGate:
         """Savings observed at the current step's batch size since the gate was made or forgot."""
         return self._savings().looks
 
-    def _savings(self) -> "Savings":
+    def _savings(self) -> Savings:
         out = self._by_size.get(self._size)
         if out is None:
             out = self._by_size[self._size] = Savings(DecayedMean(self.decay))
@@ -104,7 +104,7 @@ class LookupGate:
 class Savings:
     """What the looks at one batch size predicted to save, and how many looks that is."""
 
-    mean: "DecayedMean"
+    mean: DecayedMean
     looks: int = 0
 
 

@@ -92,14 +92,14 @@ def test_plan_speculates_when_it_pays_and_not_when_it_does_not():
 def test_a_plan_beside_a_prefill_chunk_prices_its_saving_at_a_plain_decode_steps_rate():
     """Beside a 100-token prefill chunk a step is slow, and its tokens per second low: the saving the lookup
     gate is told is what plain decode steps would take for the extra tokens, less the extra seconds, not the
-    extra tokens at this step's rate (which read 2.4 tokens as ten decode steps saved)."""
+    step's tokens at its own rate (which read these 1.3 extra tokens as 6.4 s saved, 7.5 decode steps)."""
     table = ForwardCost({1: 1.0, 8: 1.05, 9: 2.0, 200: 10.0})
     ctl = SpeculationController(4, table)
     ctl.record(1).acceptance = Acceptance.prior(4, 0.6)
     assert ctl.plan([1], [4], 100) == [4]
     extra_tokens = sum(0.6 ** j for j in range(1, 5))
     want = extra_tokens * table.optimistic(1) - (table.optimistic(105) - table.optimistic(101))
-    assert ctl.last_saving == pytest.approx(want) and want < 3 * table.optimistic(1)
+    assert ctl.last_saving == pytest.approx(want) and want < 2 * table.optimistic(1)
 
 
 def test_each_evidence_class_learns_its_own_acceptance_and_a_new_sequence_inherits_it():

@@ -3,7 +3,7 @@ cost (and for the first min_looks looks), every cost/saving steps (at most max_w
 saving reopens the gate at once."""
 import pytest
 
-from specgraph.runtime.lookup_gate import DecayedMean, LookupGate, Savings
+from specgraph.runtime.lookup_gate import DecayedMean, LookupGate
 
 
 def _looks(gate: LookupGate, steps: int, saving: float, cost: float) -> list[int]:
@@ -115,9 +115,8 @@ def test_an_engine_whose_lookups_do_not_pay_skips_them_and_keeps_greedy_output()
     spec = specgraph.Engine(model, lowering="eager", num_blocks=64, page_size=8, draft="ngram", num_draft_tokens=3)
     gate = spec.controller.lookups
     gate.max_wait, gate.min_looks = 4, 0
-    shut = DecayedMean(gate.decay)
-    shut.add(0.0)
-    gate._by_size[4] = Savings(shut)  # (three sequences decode: the class of 3-4)
+    assert gate.should_look(3)  # (three sequences decode: the class of 3-4 learns a look that saved nothing)
+    gate.observe_saving(0.0)
     gate.cost.add(1.0)
     gate.observe_saving = lambda seconds: None  # (keep it shut)
     gate.spend = lambda seconds: None
