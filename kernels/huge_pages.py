@@ -88,7 +88,7 @@ def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A contiguous zeroed CPU tensor in memory that asks to be backed by huge pages."""
     global _filling
     count = math.prod(shape)
-    nbytes = count * torch.empty((), dtype=dtype).element_size()
+    nbytes = count * dtype.itemsize
     if nbytes == 0:
         return torch.empty(shape, dtype=dtype)
     with _lock:
@@ -110,7 +110,7 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str
     4 KiB pages took 0.39 s and zeroing then copying into huge pages 0.77 s; a process's first such pool took
     3.3 s, the kernel gathering free huge pages (the copy paid that too)."""
     device = torch.device(device) if device is not None else torch.get_default_device()
-    if not _placed_here(device, math.prod(shape) * torch.empty((), dtype=dtype).element_size()):
+    if not _placed_here(device, math.prod(shape) * dtype.itemsize):
         return torch.zeros(shape, dtype=dtype, device=device)
     return empty(tuple(shape), dtype).zero_()
 
