@@ -435,8 +435,8 @@ class SpeculationController:
         self.draft_seconds_per_position += w * (sample - self.draft_seconds_per_position)
 
     def observe_forward(self, stream_tokens: int, seconds: float) -> None:
-        """A decode/verify step (no prefill chunk in it) of ``stream_tokens`` took ``seconds`` (its forward and
-        the sampling or verification after it)."""
+        """A decode/verify step (no prefill chunk in it) of ``stream_tokens`` took ``seconds``, drafting aside (its
+        scheduling, metadata, forward, and the sampling or verification after it)."""
         self.forward_cost.observe(stream_tokens, seconds)
 
     def observe_decode(self, request_id: int, drafted: int, accepted: int, evidence: int | None = None) -> None:

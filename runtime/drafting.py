@@ -132,6 +132,7 @@ class Speculation:
         self.controller: SpeculationController | None = None
         self._kv, self._copy_blocks, self._measure_cost = kv, copy_blocks, measure_cost
         self.draft_s = 0.0  # seconds spent in the proposer (engine.stats["draft_s"])
+        self.draft_call_s = 0.0  # the last draft() call's seconds, lookups and planning included
         self.tree: TreeShape | None = None
         self.tree_ids: set[int] = set()  # the sequences whose drafts this step are trees
         self.set_tree(tree)
@@ -155,7 +156,15 @@ class Speculation:
     def draft(self, chunks: list[ScheduledChunk], draining: bool = False) -> dict[int, Draft]:
         """Drafts for the decoding sequences of ``chunks`` by request id; their extra slots are allocated.
         ``draining``: no request waits, so the controller values tokens by the time they cut from finishing
-        the batch (:meth:`~.controller.SpeculationController.worth`)."""
+        the batch (:meth:`~.controller.SpeculationController.worth`). The call's seconds are kept in
+        ``draft_call_s`` (the engine takes them out of the step it reports to :meth:`observe_forward`)."""
+        t0 = time.perf_counter()
+        try:
+            return self._draft(chunks, draining)
+        finally:
+            self.draft_call_s = time.perf_counter() - t0
+
+    def _draft(self, chunks: list[ScheduledChunk], draining: bool) -> dict[int, Draft]:
         decodes = [c.request for c in chunks if is_decode(c)]
         self.tree_ids = set()
         controller = self.ready_controller() if self.adaptive else None
@@ -305,8 +314,11 @@ class Speculation:
             self.controller.lookups.spend(time.perf_counter() - t0)
 
     def observe_forward(self, num_tokens: int, seconds: float) -> None:
-        """A forward made only of decodes took ``seconds`` over ``num_tokens`` tokens (with the sampling or
-        verification after it: a verify's is dearer)."""
+        """A step made only of decodes took ``seconds`` over ``num_tokens`` stream tokens, from its start to its
+        end less its drafting call (the draft cost per position and the lookup gate price that): scheduling,
+        metadata, the forward, and the sampling or verification after it. Timing the forward alone priced a
+        verify on a GPU as if its host work were free, where a CUDA-graph replay takes about 2 ms and that work
+        is a large part of a step."""
         if self.adaptive and self.controller is not None:
             self.controller.observe_forward(num_tokens, seconds)
 

@@ -454,8 +454,8 @@ class Engine:
             elif self.speculation is not None:
                 self.speculation.on_verified(rid, r.num_computed)
         t_end = time.perf_counter()
-        if self.speculation is not None and all(decoding):  # the forward and what verifying it took
-            self.speculation.observe_forward(len(ids), t_end - t_forward)
+        if self.speculation is not None and all(decoding):  # the whole step but its drafting call
+            self.speculation.observe_forward(len(ids), t_end - t_start - self.speculation.draft_call_s)
         self._stats.count_time(t_back - t_forward, (t_forward - t_start) + (t_end - t_back))
         return finished
 
