@@ -54,6 +54,8 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import chat_prompt_ids, cpu_description, fmt, format_table, load_average, log, print_report, quiet_torch  # noqa: E402
 from prompts import (CHAT_PROMPTS, CODE_PROMPTS, HELDOUT_CHAT_PROMPTS, HELDOUT_CODE_PROMPTS, REPLAY_CHAT_PROMPTS,  # noqa: E402
@@ -75,6 +77,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3, help="rounds; each generate call keeps its fastest")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--json", default=None, metavar="PATH")
+    p.add_argument("--profile", action="store_true", help="then cProfile one code prompt per setting (host time)")
+    p.add_argument("--device", default="cpu", help="where the model runs (cuda: the inductor lowering's CUDA graphs)")
     args = p.parse_args(argv)
     args.new_tokens = args.new_tokens or (24 if args.quick else 64)
     args.proposers = (args.proposers or ("ngram" if args.quick else "ngram,layer_skip:8")).split(",")
@@ -112,7 +116,8 @@ def run_unit(engine, adaptive: bool, k: int, tree: str | None, cap: int | None, 
     s = engine.stats
     return dict(tokens=sum(len(r.token_ids) for r in res), seconds=seconds, outputs=[r.token_ids for r in res],
                 decode_forwards=s.get("decode_forwards", 0), emitted=s.get("decode_emitted", 0),
-                speculated=s.get("verify_steps", 0), drafted=s.get("draft_tokens", 0))
+                speculated=s.get("verify_steps", 0), drafted=s.get("draft_tokens", 0), host_s=s.get("host_s", 0.0),
+                forward_s=s.get("forward_s", 0.0))
 
 
 def serve_warm_up(engine, tok, k: int, tree: str | None, n: int) -> dict:
@@ -130,11 +135,12 @@ def combine(units: list[list[dict]]) -> dict:
     """A class's figures from its units' fastest runs (``units[u]``: unit u's run in each round)."""
     units = [min(rounds, key=lambda r: r["seconds"]) for rounds in units]
     total = {key: sum(u[key] for u in units) for key in ("tokens", "seconds", "decode_forwards", "emitted",
-                                                         "speculated", "drafted")}
+                                                         "speculated", "drafted", "host_s", "forward_s")}
     forwards, spec = total["decode_forwards"], total["speculated"]
     return dict(tokens=total["tokens"], seconds=total["seconds"], outputs=[o for u in units for o in u["outputs"]],
                 speculated=spec / forwards if forwards else 0.0, mean_draft=total["drafted"] / spec if spec else 0.0,
-                tokens_per_forward=total["emitted"] / forwards if forwards else 1.0)
+                tokens_per_forward=total["emitted"] / forwards if forwards else 1.0,
+                host_share=total["host_s"] / max(total["host_s"] + total["forward_s"], 1e-12))
 
 
 def token_mismatches(runs: list[list[dict]], reference: list[list[dict]]) -> list[str]:
@@ -199,10 +205,12 @@ def main(argv=None) -> int:
     quiet_torch(args.threads)
     import specgraph
 
-    log(f"{cpu_description()}; load {load_average()}; {args.prompt_set} prompts, {args.new_tokens} tokens, "
+    machine = cpu_description() + (f"; {torch.cuda.get_device_name()}, torch {torch.__version__}"
+                                   if args.device.startswith("cuda") else "")
+    log(f"{machine}; load {load_average()}; {args.prompt_set} prompts, {args.new_tokens} tokens, "
         f"proposers {args.proposers}, k {args.ks}")
     model, tok = specgraph.load_model(args.model)
-    model.eval()
+    model = model.to(args.device).eval()
     groups = {g: [chat_prompt_ids(tok, t) for t in texts] for g, texts in class_prompts(args.prompt_set).items()}
     longest = max(len(p) for ps in groups.values() for p in ps) + args.new_tokens + max(args.ks) + 1
     num_blocks = PROMPTS_PER_CLASS * (-(-longest // 16)) + 8
@@ -258,7 +266,7 @@ def main(argv=None) -> int:
         mix_tokens = sum(results[c][label]["tokens"] for c in classes)
         mix_seconds = sum(results[c][label]["seconds"] for c in classes)
         rows.append([label] + [fmt(rate(results[c][label]), ".1f") for c in classes] + [fmt(mix_tokens / mix_seconds, ".1f")])
-    lines = [f"# bench_adaptive: {cpu_description()}", f"# {args.prompt_set} prompts, {args.new_tokens} new tokens "
+    lines = [f"# bench_adaptive: {machine}", f"# {args.prompt_set} prompts, {args.new_tokens} new tokens "
              f"per prompt, {PROMPTS_PER_CLASS} prompts per class, best of {args.repeats} rounds, torch threads "
              f"{args.threads}, load {load_average()}",
              "", "tok/s per class (code/chat x batch x temperature) and over the whole mix", "",
@@ -307,12 +315,33 @@ def main(argv=None) -> int:
                      + ", ".join(f"{n}: {s * 1e3:.1f}" for n, s in cost.items())
                      + f"; draft {engines[p].controller.draft_seconds_per_position * 1e3:.2f} ms per position")
     lines.append("engine build s: " + ", ".join(f"{k} {v:.0f}" for k, v in build_s.items()))
-    report = dict(config=vars(args), cpu=cpu_description(), classes=[col(c) for c in classes],
+    lines.append("host share of step time (outside the target's forward), all classes: " + ", ".join(
+        f"{label} {sum(results[c][label]['host_share'] for c in classes) / len(classes):.0%}" for label in labels))
+    report = dict(config=vars(args), cpu=machine, classes=[col(c) for c in classes],
                   results={col(c): {lab: {k: v for k, v in r.items() if k != "outputs"} for lab, r in results[c].items()}
                            for c in classes}, token_mismatches=mismatches,
                   seconds={col(c): seconds_of(per) for c, per in runs_of.items()})
     print_report(lines, report, args.json)
+    if args.profile:
+        profile_host(engines, settings, groups["code"][:1], args.new_tokens, served)
     return 1 if mismatches else 0
+
+
+def profile_host(engines, settings, prompts: list[list[int]], n: int, served: dict, top: int = 15) -> None:
+    """Where the host time of one batch-1 greedy ``generate`` goes under each setting (cProfile, by own time;
+    the profiler slows Python, so read the shares, not the seconds)."""
+    import cProfile
+    import io
+    import pstats
+
+    for label, name, adaptive, k, tree, cap in settings:
+        prof = cProfile.Profile()
+        prof.enable()
+        run_unit(engines[name], adaptive, k, tree, cap, prompts, 0.0, n, 0, served.get(name))
+        prof.disable()
+        out = io.StringIO()
+        pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(top)
+        print(f"\n## host profile: {label}, one code prompt, batch 1, greedy\n{out.getvalue()}", flush=True)
 
 
 if __name__ == "__main__":
