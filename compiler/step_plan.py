@@ -23,9 +23,12 @@ _PREFETCH_TIMED_BYTES = 256 << 20  # by set_prefetch's: a step's memory stream, 
 #: set_prefetch times a kernel only over at least this many bytes of its weights (see there)
 PREFETCH_MIN_BYTES = 64 << 20
 
-#: CUDA: static graphs for these stream sizes (a decode of 1 and of up to 8 sequences); larger
-#: steps run the dynamic graph. Not yet captured as CUDA graphs: that needs a GPU to test on.
-CUDA_BUCKETS = (1, 8)
+#: CUDA: static graphs for these stream sizes, each replayed as a CUDA graph; larger steps run the dynamic
+#: graph, its kernels launched one by one. On an H100 (RESULTS.md, run V) with buckets (1, 8), SmolLM2 took
+#: 2.4 ms for 1 token, 3.0-3.6 ms for 2-8 and 13-14 ms for 9-20, so a batch-4 verify of 2 drafts each lost
+#: to plain decoding by 1.3-1.6x; 16 and 32 take those verifies and decodes of 9-32 sequences (chosen from
+#: that run, not yet run on a GPU).
+CUDA_BUCKETS = (1, 8, 16, 32)
 
 
 @dataclass(frozen=True)
