@@ -315,10 +315,10 @@ class Speculation:
 
     def observe_forward(self, num_tokens: int, seconds: float) -> None:
         """A step made only of decodes took ``seconds`` over ``num_tokens`` stream tokens, from its start to its
-        end less its drafting call (the draft cost per position and the lookup gate price that): scheduling,
-        metadata, the forward, and the sampling or verification after it. Timing the forward alone priced a
-        verify on a GPU as if its host work were free, where a CUDA-graph replay takes about 2 ms and that work
-        is a large part of a step."""
+        end less its drafting call (whose proposer time the draft cost per position prices, and whose lookups
+        the lookup gate; its planning is left out): scheduling, metadata, the forward, and the sampling or
+        verification after it. Timing the forward alone priced a verify on a GPU as if its host work were
+        free, where a CUDA-graph replay takes about 2 ms and that work is a large part of a step."""
         if self.adaptive and self.controller is not None:
             self.controller.observe_forward(num_tokens, seconds)
 

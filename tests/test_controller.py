@@ -303,11 +303,10 @@ def test_adaptive_follows_acceptance_under_a_measured_cost(right):
         assert s["speculated_fraction"] < 0.25 and s["mean_accepted_tokens"] == 1.0
 
 
-
 def test_a_steps_cost_counts_its_host_work_but_not_its_drafting(monkeypatch):
     """The controller prices a step from its start to its end: scheduling and the rest of a step's host work
     count (on a GPU they are a large part of a 2 ms step), the drafting call does not (it is priced per
-    drafted position). Here scheduling and drafting each sleep 30 ms."""
+    drafted position). Here scheduling sleeps 30 ms and drafting 200 ms (its cost kept at 0, so every step drafts)."""
     import time
 
     model = make_family("llama")
@@ -316,7 +315,7 @@ def test_a_steps_cost_counts_its_host_work_but_not_its_drafting(monkeypatch):
 
     class SlowProposer(_ScriptedProposer):
         def propose(self, requests):
-            time.sleep(0.03)
+            time.sleep(0.2)
             return super().propose(requests)
 
     spec = specgraph.Engine(model, lowering="eager", num_blocks=64, page_size=8, num_draft_tokens=2,
@@ -325,10 +324,12 @@ def test_a_steps_cost_counts_its_host_work_but_not_its_drafting(monkeypatch):
     monkeypatch.setattr(spec.scheduler, "schedule", lambda: (time.sleep(0.03), schedule())[1])
     seen = []
     spec.controller.observe_forward = lambda n, seconds: seen.append(seconds)
+    spec.controller.observe_draft = lambda seconds, longest: None
     got = spec.generate(prompts, max_new_tokens=12, ignore_eos=True)
     assert got[0].token_ids == want[tuple(prompts[0])]
     assert spec.stats["speculated_fraction"] > 0 and seen  # drafts were made, and steps observed
-    assert all(0.03 <= s < 0.06 for s in seen), seen
+    assert all(0.03 <= s < 0.2 for s in seen), seen
+
 
 @pytest.mark.parametrize("family, draft", [("llama", "layer_skip:1"), ("gpt2", "layer_skip:1"), ("llama", "ngram")])
 def test_greedy_output_does_not_depend_on_the_chosen_lengths(family, draft, monkeypatch):
