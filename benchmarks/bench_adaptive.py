@@ -4,6 +4,7 @@
     python benchmarks/bench_adaptive.py --proposers ngram --repeats 3   # the latest RESULTS.md run (29 minutes)
     python benchmarks/bench_adaptive.py --prompt-set tuning   # the prompts the controller was checked on
     python benchmarks/bench_adaptive.py --quick               # smoke test: 24 tokens, ngram only, k in {2, 4}
+    python benchmarks/bench_adaptive.py --device cuda --proposers ngram --ks 2,4 --profile   # run V (H100)
 
 Classes: {code, chat} x {batch 1, batch 4} x {greedy, temperature 0.8}; every class runs 4
 prompts (batch 1: one after another; batch 4: one ``generate`` of all 4), ``--new-tokens`` each
@@ -205,8 +206,9 @@ def main(argv=None) -> int:
     quiet_torch(args.threads)
     import specgraph
 
-    machine = cpu_description() + (f"; {torch.cuda.get_device_name()}, torch {torch.__version__}"
-                                   if args.device.startswith("cuda") else "")
+    device = torch.device(args.device)
+    machine = cpu_description() + (f"; {torch.cuda.get_device_name(device)}, torch {torch.__version__}"
+                                   if device.type == "cuda" else "")
     log(f"{machine}; load {load_average()}; {args.prompt_set} prompts, {args.new_tokens} tokens, "
         f"proposers {args.proposers}, k {args.ks}")
     model, tok = specgraph.load_model(args.model)
@@ -315,7 +317,7 @@ def main(argv=None) -> int:
                      + ", ".join(f"{n}: {s * 1e3:.1f}" for n, s in cost.items())
                      + f"; draft {engines[p].controller.draft_seconds_per_position * 1e3:.2f} ms per position")
     lines.append("engine build s: " + ", ".join(f"{k} {v:.0f}" for k, v in build_s.items()))
-    lines.append("host share of step time (outside the target's forward), all classes: " + ", ".join(
+    lines.append("host share of step time (outside the target's forward), mean over the classes: " + ", ".join(
         f"{label} {sum(results[c][label]['host_share'] for c in classes) / len(classes):.0%}" for label in labels))
     report = dict(config=vars(args), cpu=machine, classes=[col(c) for c in classes],
                   results={col(c): {lab: {k: v for k, v in r.items() if k != "outputs"} for lab, r in results[c].items()}

@@ -15,10 +15,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 py=.venv/bin/python
 gguf=$($py -c "from specgraph.runtime.loader import find_smollm2_gguf; print(find_smollm2_gguf())")
-grep -qx "/.device/" .git/info/exclude 2>/dev/null || echo "/.device/" >> .git/info/exclude
-grep -qx "/.whl/" .git/info/exclude 2>/dev/null || echo "/.whl/" >> .git/info/exclude
-rm -rf .device/p1 .device/p2 && mkdir -p .device/p1 .device/p2
+exclude=$(git rev-parse --git-path info/exclude)
+mkdir -p "$(dirname "$exclude")"
+for folder in /.device/ /.whl/; do grep -qxF "$folder" "$exclude" 2>/dev/null || echo "$folder" >> "$exclude"; done
+rm -rf .device .whl && mkdir -p .device/p1 .device/p2
 split -b 49M -d "$gguf" .device/part
+if [ -e .device/part02 ]; then echo "the GGUF needs more than two 49 MiB parts: carry each in its own call" >&2; exit 1; fi
 mv .device/part00 .device/p1/ && mv .device/part01 .device/p2/
 $py -m pip download -q --no-deps --only-binary=:all: -d .whl "gguf==$($py -c 'import importlib.metadata as m; print(m.version("gguf"))')"
 ls -l .device/p1 .device/p2 .whl

@@ -29,9 +29,10 @@ def pooled_seconds(reports: list[dict]) -> dict[str, dict[str, list[list[float]]
     """``class -> setting -> unit -> seconds of each round``, every report's rounds one after another."""
     first = reports[0]
     for r in reports[1:]:
-        for key in ("prompt_set", "new_tokens", "proposers", "ks"):
-            if r["config"][key] != first["config"][key]:
-                raise ValueError(f"runs differ in {key}: {first['config'][key]} vs {r['config'][key]}")
+        for key in ("prompt_set", "new_tokens", "proposers", "ks", "device"):
+            mine, theirs = (report["config"].get(key, "cpu") for report in (r, first))  # (older runs: CPU)
+            if mine != theirs:
+                raise ValueError(f"runs differ in {key}: {theirs} vs {mine}")
         if r["classes"] != first["classes"] or any(set(r["seconds"][c]) != set(first["seconds"][c])
                                                    for c in first["classes"]):
             raise ValueError("runs differ in their classes or settings")
