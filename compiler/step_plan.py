@@ -145,16 +145,14 @@ def set_prefetch(gm: fx.GraphModule, key: str | None, panel_linears: bool) -> st
     # (kept apart for weights in 4 KiB pages: a prefetch there may miss the TLB, so the best distance may differ)
     pages = "" if huge_pages.available() else "-4k-pages"
     path = measurement_path(key, "prefetch" + ("-panel" if floats else "") + ("-quant" if quantized else "") + pages)
-    kept = read_json(path) if path is not None else None
-    try:
-        panel, quant, line = kept.get("panel"), kept.get("quant"), str(kept["line"])
+    kept = _kept_prefetch(read_json(path) if path is not None else None, bool(floats), bool(quantized))
+    if kept is not None:
+        panel, quant, line = kept
         if floats:
-            module.set_panel_prefetch(*(int(d) for d in panel))
+            module.set_panel_prefetch(*panel)
         if quantized:
-            module.set_quant_prefetch(int(quant))
+            module.set_quant_prefetch(quant)
         return "as measured by an earlier build on this machine: " + line
-    except (AttributeError, TypeError, KeyError, ValueError, RuntimeError):  # none kept, or unreadable
-        pass
     panel, quant, lines = None, None, []
     if floats:
         panel, panel_line = prefetch.choose_panel_prefetch(floats)
@@ -165,6 +163,23 @@ def set_prefetch(gm: fx.GraphModule, key: str | None, panel_linears: bool) -> st
     if path is not None:
         write_json(path, dict(panel=panel, quant=quant, line="; ".join(lines)))
     return "; ".join(lines)
+
+
+def _kept_prefetch(kept, floats: bool, quantized: bool) -> tuple[list[int] | None, int | None, str] | None:
+    """A prefetch choice :func:`set_prefetch` kept: the panel kernel's two distances (wanted with ``floats``),
+    the quantized kernel's (with ``quantized``), all ints >= 0, and its line; None where nothing is kept or
+    what is kept is not that (an older format, a damaged file)."""
+    def distance(d) -> bool:
+        return isinstance(d, int) and not isinstance(d, bool) and d >= 0
+
+    if not isinstance(kept, dict) or not isinstance(kept.get("line"), str):
+        return None
+    panel, quant = kept.get("panel"), kept.get("quant")
+    if floats and not (isinstance(panel, list) and len(panel) == 2 and all(map(distance, panel))):
+        return None
+    if quantized and not distance(quant):
+        return None
+    return panel, quant, kept["line"]
 
 
 def _float32_weights(gm: fx.GraphModule, limit: int) -> list[torch.Tensor]:

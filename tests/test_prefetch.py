@@ -75,6 +75,11 @@ def test_a_build_measures_the_distances_once_per_machine_and_sets_them_every_tim
     kept.write_text("{not json")
     monkeypatch.setattr(prefetch, "choose_quant_prefetch", lambda linears: (1024, "measured again"))
     assert step_plan.set_prefetch(gm, "key", panel_linears=True) == "measured again"
+    module.set_quant_prefetch(2048)
+    for bad in ('{"quant": "4096", "line": "kept"}', '{"quant": -1, "line": "kept"}', '{"quant": 4096}', '[4096]'):
+        kept.write_text(bad)  # not a choice set_prefetch wrote: measured again, never set as it is
+        assert step_plan.set_prefetch(gm, "key", panel_linears=True) == "measured again", bad
+        assert module.set_quant_prefetch(2048) == 2048  # (the stand-in measurement sets nothing)
     monkeypatch.setattr(huge_pages, "available", lambda: False)  # weights in 4 KiB pages: their own choice
     monkeypatch.setattr(prefetch, "choose_quant_prefetch", lambda linears: (8192, "in 4 KiB pages"))
     assert step_plan.set_prefetch(gm, "key", panel_linears=True) == "in 4 KiB pages"
