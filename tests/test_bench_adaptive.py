@@ -63,3 +63,18 @@ def test_token_mismatches_are_found_in_every_run_and_located():
     assert token_mismatches(same, reference) == []
     differing = [[run([1, 2, 3], [4, 5]), run([1, 2, 3], [4, 6])], [run([9, 8])]]
     assert token_mismatches(differing, reference) == ["unit 0 run 1 sequence 1 token 1", "unit 1 run 0 sequence 0 token 0"]
+
+
+def test_runs_made_on_different_devices_are_not_pooled():
+    """pool_adaptive pools rounds of runs that timed the same work; a GPU run beside a CPU run is refused by
+    name (a run from before --device existed counts as a CPU run)."""
+    from pool_adaptive import pooled_seconds
+
+    def report(**config):
+        base = dict(prompt_set="heldout", new_tokens=64, proposers=["ngram"], ks=[2])
+        return dict(config={**base, **config}, classes=["chat b4 greedy"],
+                    seconds={"chat b4 greedy": {"none": [[1.0]], "ngram adaptive": [[1.0]]}})
+
+    assert pooled_seconds([report(), report(device="cpu")])["chat b4 greedy"]["none"] == [[1.0, 1.0]]
+    with pytest.raises(ValueError, match="device"):
+        pooled_seconds([report(), report(device="cuda")])
