@@ -317,8 +317,8 @@ class Speculation:
         """A step made only of decodes took ``seconds`` over ``num_tokens`` stream tokens, from its start to its
         end less its drafting call (whose proposer time the draft cost per position prices, and whose lookups
         the lookup gate; its planning is left out): scheduling, metadata, the forward, and the sampling or
-        verification after it. Timing the forward alone priced a verify on a GPU as if its host work were
-        free, where a CUDA-graph replay takes about 2 ms and that work is a large part of a step."""
+        verification after it. Timed from the forward on (as it was), a step's scheduling and metadata went
+        unpriced, and on a GPU a CUDA-graph replay takes about 2 ms, so that work is a large part of a step."""
         if self.adaptive and self.controller is not None:
             self.controller.observe_forward(num_tokens, seconds)
 
