@@ -212,7 +212,7 @@ def main(argv=None) -> int:
     log(f"{machine}; load {load_average()}; {args.prompt_set} prompts, {args.new_tokens} tokens, "
         f"proposers {args.proposers}, k {args.ks}")
     model, tok = specgraph.load_model(args.model)
-    model = model.to(args.device).eval()
+    model = model.to(device).eval()
     groups = {g: [chat_prompt_ids(tok, t) for t in texts] for g, texts in class_prompts(args.prompt_set).items()}
     longest = max(len(p) for ps in groups.values() for p in ps) + args.new_tokens + max(args.ks) + 1
     num_blocks = PROMPTS_PER_CLASS * (-(-longest // 16)) + 8
