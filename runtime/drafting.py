@@ -29,9 +29,10 @@ from .controller import SpeculationController
 from .forward_cost import ForwardCost, cost_sizes, measure_forward_cost
 from .kv_manager import KVCacheManager
 from .proposers.base import Draft, DraftRequest
-from .rejection import verify_greedy, verify_sampling
+from .rejection import accept_matching, verify_sampling
 from .sampling import PositionNoise, SamplingParams, probabilities
-from .token_tree import TreeShape, chain_in_tree, verify_tree_greedy, verify_tree_sampling
+from .step_logits import TargetRows
+from .token_tree import TreeShape, accept_tree, chain_in_tree
 from .scheduler import Request, ScheduledChunk
 
 
@@ -96,22 +97,20 @@ def cached_target_cost(program: DecoderProgram, kv: KVCacheManager, kv_cache, pa
     return cost
 
 
-def verify_draft(draft: Draft, logits: torch.Tensor, params: SamplingParams, noise: PositionNoise | None,
+def verify_draft(draft: Draft, target: TargetRows, params: SamplingParams, noise: PositionNoise | None,
                  position: int) -> tuple[list[int], list[int]]:
-    """Accepted drafts + one target token, lossless (greedy match; sampled: the target's own draws at output
-    positions ``position`` on, or rejection sampling for a sampled chain), and the verify-step nodes of the
-    accepted drafts (``1..a`` for a chain; a root path for a tree). ``logits [1 + len(draft), V]``: row ``m``
-    after node ``m``."""
-    n = len(draft.token_ids)
+    """Accepted drafts + one target token, lossless, and the verify-step nodes of the accepted drafts (``1..a``
+    for a chain; a root path for a tree). ``target``: the step's ``1 + len(draft)`` rows for the sequence, row
+    ``m`` after node ``m``. A deterministic draft (and any draft, greedy) is kept while it equals the target's
+    own token (the argmax, or the draw of the output position's uniform: exactly plain decoding's tokens); a
+    sampled chain (``draft.probs``) by rejection sampling from output ``position`` on."""
     if draft.parents is not None:
-        if params.greedy:
-            return verify_tree_greedy(draft.token_ids, draft.parents, logits)
-        return verify_tree_sampling(draft.token_ids, draft.parents, probabilities(logits, params),
-                                    noise.draws(position, n + 1))
-    if params.greedy:
-        tokens = verify_greedy(draft.token_ids, logits)
+        return accept_tree(draft.token_ids, draft.parents, target.token)
+    if params.greedy or draft.probs is None:
+        tokens = accept_matching(draft.token_ids, target.token)
     else:
-        tokens = verify_sampling(draft.token_ids, draft.probs, probabilities(logits, params),
+        n = len(draft.token_ids)
+        tokens = verify_sampling(draft.token_ids, draft.probs, probabilities(target.whole(), params),
                                  noise.draws(position, n + 1), noise.coins(position, n))
     return tokens, list(range(1, len(tokens)))
 

@@ -20,8 +20,9 @@ from ..kernels.hot_cold import demote_blocks, hot_tensors
 from .kv_manager import KVCacheManager
 from .kv_pool import pool_sizes
 from .proposers.base import Draft
-from .sampling import PositionNoise, SamplingParams, sample, token_logprobs
+from .sampling import PositionNoise, SamplingParams, token_logprobs
 from .scheduler import Request, Scheduler
+from .step_logits import TargetRows, host_rows, rows_wanted
 from .token_tree import keep_path, parse_tree
 from .prompts import GenerationResult, calibration_ids, encode_prompts, eos_ids
 from .scoring import score
@@ -407,40 +408,39 @@ class Engine:
             logits, hidden = self.program(stream, meta, self.kv_cache, return_hidden=True)
         else:
             logits, hidden = self.program(stream, meta, self.kv_cache), None
-        if logits.device.type != "cpu":  # sampling and verification decide on the host
-            logits = logits.cpu()
+        # the target's tokens (the rows themselves where a request reads them), decided on the host
+        targets = host_rows(logits, [rows_wanted(c.request, drafts.get(c.request.request_id), len(w))
+                                     for c, w in zip(chunks, want)])
         t_back = time.perf_counter()
         self._stats.count_forward(self.kv.usage)
-        row = offset = 0  # (the chunk's first logits row, and its first stream token)
-        for c, rows, decode, (_, _, fed) in zip(chunks, want, decoding, seqs):
+        offset = 0  # (the chunk's first stream token)
+        for c, rows, decode, (_, _, fed), target in zip(chunks, want, decoding, seqs, targets):
             r = c.request
             rid = r.request_id
             offset += fed
             if r.finished:  # aborted by an on_token callback earlier in this loop
-                row += len(rows)
                 continue
             r.num_computed = c.start + c.num_tokens
-            token_logits = logits[row:row + len(rows)]  # row i: the distribution of new token i
+            token_logits = target.logits  # row i: the distribution of new token i (None: not on the host)
             drafted = len(drafts[rid].token_ids) if rid in drafts else 0
             path: list[int] = []
             if rows and drafted:
-                new_tokens, path = self._verify(r, drafts[rid], token_logits)
+                new_tokens, path = self._verify(r, drafts[rid], target)
                 if path != list(range(1, len(path) + 1)):  # tree nodes off the chain's cache indices
                     keep_path(self.kv_cache, self.kv.slot_mapping(rid, c.start, max(path) + 1), path)
-                token_logits = token_logits[[0] + path]  # row i: the distribution of new token i
+                token_logits = token_logits[[0] + path] if token_logits is not None else None
                 if hidden is not None:  # the features of the fed token and the accepted drafts
                     self.speculation.on_features(rid, c.start, hidden[[offset - fed + m for m in [0] + path]])
                 # cached now: the last token + the accepted drafts (the final token is not yet fed)
                 r.num_computed = c.start + len(new_tokens)
                 self.kv.truncate(rid, r.num_computed)
             else:
-                new_tokens = [sample(logits[row], r.params, r.noise, len(r.output_ids))] if rows else []
+                new_tokens = [target.token(0)] if rows else []
                 if hidden is not None:
                     self.speculation.on_features(rid, c.start, hidden[offset - fed:offset - fed + c.num_tokens])
-            row += len(rows)
             emitted = 0
-            for token, token_row in zip(new_tokens, token_logits):
-                self._emit(r, token, token_row)
+            for j, token in enumerate(new_tokens):
+                self._emit(r, token, token_logits[j] if token_logits is not None else None)
                 emitted += 1
                 if r.finished:
                     finished.append(r)
@@ -459,10 +459,10 @@ class Engine:
         self._stats.count_time(t_back - t_forward, (t_forward - t_start) + (t_end - t_back))
         return finished
 
-    def _verify(self, r: Request, draft: Draft, logits: torch.Tensor) -> tuple[list[int], list[int]]:
+    def _verify(self, r: Request, draft: Draft, target: TargetRows) -> tuple[list[int], list[int]]:
         """Accepted drafts + one target token (lossless: greedy match or rejection sampling), and the step
         nodes of the accepted drafts (1..a for a chain; a root path for a tree)."""
-        tokens, path = verify_draft(draft, logits, r.params, r.noise, len(r.output_ids))
+        tokens, path = verify_draft(draft, target, r.params, r.noise, len(r.output_ids))
         self._stats.count_verify(len(draft.token_ids), draft.parents is not None, len(tokens))
         return tokens, path
 
@@ -475,7 +475,7 @@ class Engine:
         if self.speculation is not None:
             self.speculation.observe_decode(r, draft, path)
 
-    def _emit(self, r: Request, token: int, logits: torch.Tensor) -> None:
+    def _emit(self, r: Request, token: int, logits: torch.Tensor | None) -> None:
         r.output_ids.append(token)
         if r.logprobs is not None:
             r.output_logprobs.append(token_logprobs(logits, token, r.logprobs))

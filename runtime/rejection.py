@@ -79,13 +79,19 @@ def verify_greedy(draft_tokens: list[int], target_logits: torch.Tensor) -> list[
     assert target_logits.ndim == 2 and target_logits.shape[0] == k + 1, (
         f"target_logits must be [k + 1 = {k + 1}, V]; got {tuple(target_logits.shape)}"
     )
-    target_ids = target_logits.argmax(dim=-1).tolist()  # [k + 1]
+    return accept_matching(draft_tokens, target_logits.argmax(dim=-1).tolist().__getitem__)
+
+
+def accept_matching(draft_tokens: list[int], target_token: Callable[[int], int]) -> list[int]:
+    """Keep the draft while it equals the target's own token at each position (``target_token(i)``: the argmax,
+    or the draw of position ``i``'s uniform, of row ``i``; asked only for the rows reached), then add the
+    target's token where they differ, or the bonus after the last draft."""
     out: list[int] = []
-    for draft, target in zip(draft_tokens, target_ids):
-        out.append(target)  # accepted draft (== target) or the recovered token
-        if draft != target:
+    for i, draft in enumerate(draft_tokens):
+        out.append(target_token(i))  # accepted draft (== target) or the recovered token
+        if out[-1] != draft:
             return out
-    out.append(target_ids[k])  # bonus
+    out.append(target_token(len(draft_tokens)))  # bonus
     return out
 
 
@@ -132,11 +138,7 @@ def verify_sampling(
     )
     assert len(draws) >= k + 1 and len(coins) >= k, f"need {k + 1} draws and {k} coins"
     if draft_probs is None and accept_rule is None:  # the target's own draws decide (plain decoding's tokens)
-        out: list[int] = []
-        for i in range(k + 1):
-            out.append(draw_token(target_probs[i], draws[i]))
-            if i == k or out[-1] != draft_tokens[i]:
-                return out
+        return accept_matching(draft_tokens, lambda i: draw_token(target_probs[i], draws[i]))
     if draft_probs is not None:
         assert draft_probs.shape == (k, target_probs.shape[1]), (
             f"draft_probs must be [k = {k}, V = {target_probs.shape[1]}]; got {tuple(draft_probs.shape)}"

@@ -29,6 +29,7 @@ from __future__ import annotations
 import heapq
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -219,8 +220,32 @@ def verify_tree_greedy(tokens: list[int], parents: list[int], target_logits: tor
     ([2, 4, 5], [2, 3])
     """
     assert target_logits.shape[0] == len(tokens) + 1, "target_logits must have one row per step node"
-    argmax = target_logits.argmax(dim=-1).tolist()
-    return _walk(tokens, parents, lambda node, depth: argmax[node])
+    return accept_tree(tokens, parents, target_logits.argmax(dim=-1).tolist().__getitem__)
+
+
+def accept_tree(tokens: list[int], parents: list[int], target_token: Callable[[int], int]) -> tuple[list[int], list[int]]:
+    """The longest root path whose nodes carry the target's own token after their parent (``target_token(m)``:
+    the argmax, or the draw of the uniform of the output position it decides, of the row after step node
+    ``m``; asked only for the nodes reached), then that token where it stops (see :func:`verify_tree_greedy`)."""
+    children = step_children(parents)
+    node, out, path = 0, [], []
+    while True:
+        want = target_token(node)
+        out.append(want)
+        nxt = next((c for c in children[node] if tokens[c - 1] == want), None)
+        if nxt is None:
+            return out, path
+        node = nxt
+        path.append(node)
+
+
+def node_depths(parents: list[int]) -> list[int]:
+    """Each step node's depth (node 0, the fed token, is the root at 0; node ``m`` is draft ``m - 1``, whose
+    parent index ``parents[m - 1]`` is -1 for the root or an earlier draft's)."""
+    depths = [0]
+    for p in parents:
+        depths.append(depths[p + 1] + 1)
+    return depths
 
 
 def verify_tree_sampling(tokens: list[int], parents: list[int], target_probs: torch.Tensor,
@@ -238,22 +263,8 @@ def verify_tree_sampling(tokens: list[int], parents: list[int], target_probs: to
     Returns ``(emitted tokens, accepted step nodes)``, like :func:`verify_tree_greedy`.
     """
     assert target_probs.shape[0] == len(tokens) + 1, "target_probs must have one row per step node"
-    return _walk(tokens, parents, lambda node, depth: draw_token(target_probs[node], draws[depth]))
-
-
-def _walk(tokens: list[int], parents: list[int], target_token) -> tuple[list[int], list[int]]:
-    """From the root, take the target's token at each node (``target_token(node, depth)``) and move to the
-    child that carries it; stop at a node without one. Returns (the tokens taken, the nodes moved to)."""
-    children = step_children(parents)
-    node, out, path = 0, [], []
-    while True:
-        want = target_token(node, len(out))
-        out.append(want)
-        nxt = next((c for c in children[node] if tokens[c - 1] == want), None)
-        if nxt is None:
-            return out, path
-        node = nxt
-        path.append(node)
+    depths = node_depths(parents)
+    return accept_tree(tokens, parents, lambda node: draw_token(target_probs[node], draws[depths[node]]))
 
 
 def keep_path(kv_cache: list[tuple[torch.Tensor, ...]], slots: list[int], path: list[int]) -> int:
