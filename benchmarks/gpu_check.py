@@ -173,6 +173,20 @@ def tiny_llama_check(device) -> None:
     want = [_hf_greedy(tiny, p, 8, device) for p in prompts]
     check("tiny Llama greedy == HF on the GPU", got == want, f"{got} vs {want}")
     check("tiny Llama: no recompiles after build", engine.stats["recompiles"] == 0, str(engine.stats["recompiles"]))
+    # tokens picked on the device (runtime/step_logits.py): sampled draws of plain decoding and of n-gram verifies,
+    # and whole rows fetched for logprobs
+    ngram = specgraph.Engine(tiny, lowering="inductor", page_size=8, num_blocks=64, draft="ngram",
+                             num_draft_tokens=3, adaptive=False)
+    repetitive = [[1, 5, 9, 3, 7] * 4, [2, 4, 6, 8] * 5]
+    sampled = {name: [r.token_ids for r in e.generate(repetitive, max_new_tokens=24, temperature=0.8, seed=3,
+                                                       ignore_eos=True)] for name, e in (("plain", engine), ("ngram", ngram))}
+    check("tiny Llama sampled: n-gram verifies == plain decoding (draws on the GPU)", sampled["plain"] == sampled["ngram"],
+          f"{sampled['plain']} vs {sampled['ngram']}")
+    (scored,) = engine.submit(prompts[0], max_new_tokens=8, logprobs=2)
+    while not scored.finished:
+        engine.step()
+    check("tiny Llama greedy with logprobs: the same tokens, a log p each", scored.output_ids == want[0]
+          and len(scored.output_logprobs) == 8, f"{scored.output_ids} vs {want[0]}")
 
 
 def smollm2_checks(device, model_name: str) -> None:

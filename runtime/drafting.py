@@ -31,7 +31,7 @@ from .kv_manager import KVCacheManager
 from .proposers.base import Draft, DraftRequest
 from .rejection import accept_matching, verify_sampling
 from .sampling import PositionNoise, SamplingParams, probabilities
-from .step_logits import TargetRows
+from .step_logits import TargetRows, row_argmax
 from .token_tree import TreeShape, accept_tree, chain_in_tree
 from .scheduler import Request, ScheduledChunk
 
@@ -74,7 +74,7 @@ def measure_target_cost(program: DecoderProgram, kv: KVCacheManager, kv_cache, p
             shares = [n // b + (i < n % b) for i in range(b)]
             meta = AttentionMetadata.build([(t, context, q) for t, q in zip(tables, shares)], page_size,
                                            [list(range(q)) for q in shares])  # a verify wants every row
-            program(torch.zeros(n, dtype=torch.long), meta, kv_cache).cpu()  # as a step: waits for the device
+            row_argmax(program(torch.zeros(n, dtype=torch.long), meta, kv_cache))  # as a greedy step picks its tokens
 
         with torch.no_grad():
             return measure_forward_cost(forward, cost_sizes(max_stream, program.buckets))

@@ -55,6 +55,30 @@ def test_sampled_speculation_with_deterministic_drafts_is_plain_sampling(shape):
     assert 0 < spec.stats["acceptance_rate"] < 1  # drafts were kept and rejected: verifies emitted 1..k+1 tokens
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.2])
+def test_logprobs_of_verified_tokens_are_plain_decodings(temperature):
+    """A request that returns logprobs reads its rows whole (runtime/step_logits.py): through verifies of
+    n-gram drafts its tokens and each one's log p and top alternatives are plain decoding's."""
+    target = make_family("llama")
+    plain = specgraph.Engine(target, num_blocks=64, page_size=8)
+    spec = specgraph.Engine(target, num_blocks=64, page_size=8, draft="ngram", num_draft_tokens=3, adaptive=False)
+    outputs = []
+    for engine in (plain, spec):
+        requests = [r for p in _repetitive("llama", 2) for r in engine.submit(
+            p, max_new_tokens=12, ignore_eos=True, temperature=temperature, seed=5, logprobs=2)]
+        while not all(r.finished for r in requests):
+            engine.step()
+        outputs.append([(r.output_ids, r.output_logprobs) for r in requests])
+    (want, got) = outputs
+    assert [ids for ids, _ in got] == [ids for ids, _ in want]
+    for (_, lp_got), (ids, lp_want) in zip(got, want):
+        assert len(lp_got) == len(ids)
+        for (p_got, top_got), (p_want, top_want) in zip(lp_got, lp_want):
+            assert p_got == pytest.approx(p_want, abs=1e-5)
+            assert [t for t, _ in top_got] == [t for t, _ in top_want]
+    assert spec.stats["draft_tokens"] > 0 and spec.stats["acceptance_rate"] > 0
+
+
 def test_draft_vocabulary_mismatch_is_a_clear_error():
     target = tiny_llama(vocab=128)
     with pytest.raises(ValueError, match="vocabulary"):
