@@ -114,3 +114,14 @@ def test_rows_not_brought_to_the_host_are_refused_by_name():
     (target,) = rows_from_device(logits, [w], [0, 1])
     with pytest.raises(RuntimeError, match="not brought to the host"):
         target.whole()
+
+
+def test_the_step_logits_benchmark_runs_and_its_two_paths_agree(capsys):
+    """benchmarks/bench_step_logits.py asserts that the old path and step_logits pick the same tokens."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import bench_step_logits
+
+    assert bench_step_logits.main(["--vocab", "64", "--ks", "0,2", "--repeats", "3"]) == 0
+    assert "step_logits (us)" in capsys.readouterr().out
