@@ -174,8 +174,8 @@ class Speculation:
         if shadowing and self.tree is None:  # (the gate first: a step that does not look does nothing more)
             if any(i not in controller.records for i in ids):  # a sequence's first decode: its drafts are unknown
                 controller.lookups.look_next()
-            if not ids or not controller.lookups.should_look(len(ids)):  # (not worth its host time lately)
-                return {}
+            if not ids or not controller.lookups.should_look(len(ids), controller.forward_cost(len(ids))):
+                return {}  # (not worth its host time lately)
         longest = self.tree.depth if self.tree is not None else self.num_draft_tokens
         caps = [min(longest if r.num_draft_tokens is None else min(r.num_draft_tokens, longest),
                     r.max_new_tokens - len(r.output_ids) - 1) for r in decodes]

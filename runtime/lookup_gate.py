@@ -10,8 +10,12 @@ The gate weighs what looking is worth against what it costs, both measured: each
 seconds it saves over plain decoding (:attr:`~.controller.SpeculationController.last_saving`, 0 when it
 chose plain decoding), and the host seconds of each look are timed; both are decayed means over looks,
 the saving's with a long memory (in chat a strong match comes every few dozen steps and saves 20-50
-times a look's cost) and trusted only after ``min_looks`` looks. The means weigh every look by its age
-alone: a mean that starts at its first sample keeps that sample's weight for dozens of looks, and one
+times a look's cost) and trusted only after ``min_looks`` looks, or fewer where a look is dear against a
+step: those first looks at a batch size spend at most ``explore_steps`` decode steps' worth of host time (at
+least ``least_looks`` looks). On a 2-core CPU a look is about 1% of a batch-4 step and all 16 are made; on
+an H100, where a step is a 3.3 ms CUDA-graph replay, a look of 0.2 ms was about 6% of one, and 16 looks on
+each 64-token batch of chat cost about as much as adaptive decoding lost there against none (2%, run V).
+The means weigh every look by its age alone: a mean that starts at its first sample keeps that sample's weight for dozens of looks, and one
 early strong match held the gate open for a whole closed batch of chat that never speculated again.
 
 While looking is worth its cost every step looks. Otherwise a look comes every ``cost / saving`` steps
@@ -37,10 +41,13 @@ class LookupGate:
     of a step for one sequence save nothing for four tied sequences of a closed batch, and one mean over all
     sizes let what looks had saved at one size open the gate at another."""
 
-    def __init__(self, decay: float = 0.97, max_wait: int = 8, min_looks: int = 16):
+    def __init__(self, decay: float = 0.97, max_wait: int = 8, min_looks: int = 16, least_looks: int = 4,
+                 explore_steps: float = 0.25):
         if max_wait < 1:
             raise ValueError(f"max_wait must be >= 1; got {max_wait}")
         self.decay, self.max_wait, self.min_looks = decay, max_wait, min_looks
+        self.least_looks, self.explore_steps = least_looks, explore_steps
+        self._step_seconds: float | None = None  # a plain decode step's, at the current step's batch size
         self._by_size: dict[int, Savings] = {}  # batch size class -> what its looks' plans predicted to save
         self._size = 1  # the batch size class of the current step
         self.cost = DecayedMean(decay)  # host seconds of a look
@@ -64,15 +71,27 @@ class LookupGate:
             out = self._by_size[self._size] = Savings(DecayedMean(self.decay))
         return out
 
+    def trusted_after(self) -> int:
+        """Looks at a batch size before its mean saving is trusted: ``min_looks``, or as many as cost
+        ``explore_steps`` plain decode steps (never fewer than ``least_looks``), whichever is fewer."""
+        cost = self.cost.value
+        if not cost or not self._step_seconds:
+            return self.min_looks
+        return max(min(self.least_looks, self.min_looks),
+                   min(self.min_looks, math.floor(self.explore_steps * self._step_seconds / cost)))
+
     def wait(self) -> int:
         """Steps from one look to the next: 1 while looking is worth its cost."""
         saving, cost = self.saving.value, self.cost.value
-        if self.looks < self.min_looks or cost is None or saving is None or saving >= cost:
+        if self.looks < self.trusted_after() or cost is None or saving is None or saving >= cost:
             return 1
         return min(self.max_wait, math.floor(cost / saving) if saving > 0 else self.max_wait)
 
-    def should_look(self, decodes: int = 1) -> bool:
+    def should_look(self, decodes: int = 1, step_seconds: float | None = None) -> bool:
+        """Whether this step looks; ``step_seconds``: what a plain decode step of these ``decodes`` costs (None:
+        unknown, and the first ``min_looks`` looks are all made)."""
         self._size = 1 << max(0, decodes - 1).bit_length()
+        self._step_seconds = step_seconds
         self._waited += 1
         if self._waited < self.wait():
             self.skipped += 1

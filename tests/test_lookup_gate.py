@@ -6,11 +6,11 @@ import pytest
 from specgraph.runtime.lookup_gate import DecayedMean, LookupGate
 
 
-def _looks(gate: LookupGate, steps: int, saving: float, cost: float) -> list[int]:
+def _looks(gate: LookupGate, steps: int, saving: float, cost: float, step_seconds: float | None = None) -> list[int]:
     """The steps (0-based) that looked, each look costing ``cost`` host seconds and predicting ``saving``."""
     looked = []
     for step in range(steps):
-        if gate.should_look():
+        if gate.should_look(1, step_seconds):
             looked.append(step)
             gate.spend(cost)
             gate.observe_saving(saving)
@@ -28,6 +28,20 @@ def test_lookups_that_save_nothing_run_every_max_wait_steps_after_min_looks():
     looked = _looks(gate, 45, saving=0.0, cost=2e-4)
     assert looked == [0, 1, 2, 3, 11, 19, 27, 35, 43]
     assert gate.skipped == 45 - len(looked)
+
+
+def test_looks_dear_against_a_step_are_trusted_after_fewer_of_them():
+    """A look of 0.2 ms: 1% of a 24 ms CPU step, and all 16 first looks are made; 6% of a 3.3 ms GPU step, and
+    after 4 (a quarter of a step's host time) a gate whose looks save nothing waits max_wait steps."""
+    cpu = _looks(LookupGate(max_wait=8, min_looks=16), 45, saving=0.0, cost=2e-4, step_seconds=24e-3)
+    assert cpu[:16] == list(range(16)) and cpu[16:] == [23, 31, 39]
+    gpu = _looks(LookupGate(max_wait=8, min_looks=16), 45, saving=0.0, cost=2e-4, step_seconds=3.3e-3)
+    assert gpu == [0, 1, 2, 3, 11, 19, 27, 35, 43]
+    tiny = LookupGate(min_looks=16, least_looks=4)
+    tiny.cost.add(1.0)
+    tiny.should_look(1, 1e-3)
+    assert tiny.trusted_after() == 4  # never fewer than least_looks
+    assert _looks(LookupGate(), 20, saving=1e-3, cost=2e-4, step_seconds=3.3e-3) == list(range(20))  # saving pays
 
 
 def test_a_small_saving_waits_cost_over_saving_steps():
