@@ -15,8 +15,9 @@ step: those first looks at a batch size spend at most ``explore_steps`` decode s
 least ``least_looks`` looks). On a 2-core CPU a look is about 1% of a batch-4 step and all 16 are made; on
 an H100, where a step is a 3.3 ms CUDA-graph replay, a look of 0.2 ms was about 6% of one, and 16 looks on
 each 64-token batch of chat cost about as much as adaptive decoding lost there against none (2%, run V).
-The means weigh every look by its age alone: a mean that starts at its first sample keeps that sample's weight for dozens of looks, and one
-early strong match held the gate open for a whole closed batch of chat that never speculated again.
+The means weigh every look by its age alone: a mean that starts at its first sample keeps that sample's
+weight for dozens of looks, and one early strong match held the gate open for a whole closed batch of chat
+that never speculated again.
 
 While looking is worth its cost every step looks. Otherwise a look comes every ``cost / saving`` steps
 (at most every ``max_wait``), so the estimates stay current and a sequence whose text turns repetitive is

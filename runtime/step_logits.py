@@ -95,9 +95,13 @@ def host_rows(logits: torch.Tensor, wanted: Sequence[RowsWanted]) -> list[Target
 def rows_from_device(logits: torch.Tensor, wanted: Sequence[RowsWanted], starts: Sequence[int]) -> list[TargetRows]:
     """:func:`host_rows` for logits on a device (``starts``: each sequence's first row, then the total)."""
     picks = logits.argmax(dim=-1) if starts[-1] else logits.new_zeros(0, dtype=torch.long)
-    for w, a, b in zip(wanted, starts, starts[1:]):
+    drawn: dict[SamplingParams, list[int]] = {}  # sequences drawn on the device, by their sampling (one call each)
+    for i, w in enumerate(wanted):
         if w.count and not w.params.greedy and not w.whole:
-            picks[a:b] = device_draws(logits[a:b], w.params, w.uniforms)
+            drawn.setdefault(w.params, []).append(i)
+    for params, members in drawn.items():
+        index = torch.tensor([r for i in members for r in range(starts[i], starts[i + 1])], device=logits.device)
+        picks[index] = device_draws(logits[index], params, [u for i in members for u in wanted[i].uniforms])
     tokens = picks.tolist()
     vocab = logits.shape[-1]
     # a draw that rounded past the last token (u * total read as total) is drawn again on the host

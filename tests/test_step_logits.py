@@ -11,13 +11,15 @@ from specgraph.runtime.step_logits import (RowsWanted, device_draws, fetch_rows,
                                            rows_from_device, rows_wanted)
 
 GREEDY, SAMPLED = SamplingParams(), SamplingParams(temperature=0.8, top_p=0.9)
+KINDS = (GREEDY, SAMPLED, SamplingParams(temperature=1.3, top_k=5))  # sequences drawn together by their sampling
+SPANS = st.lists(st.tuples(st.integers(0, 3), st.integers(0, 2), st.booleans()), min_size=1, max_size=5)
 
 
 def _step(spans, vocab, dtype, seed, nan):
     """Random logits with few distinct values (many ties) and each sequence's RowsWanted."""
     g = torch.Generator().manual_seed(seed)
-    wanted = [RowsWanted(n, SAMPLED if sampled else GREEDY, torch.rand(n, generator=g).tolist() if sampled else [], whole)
-              for n, sampled, whole in spans]
+    wanted = [RowsWanted(n, KINDS[kind], torch.rand(n, generator=g).tolist() if kind else [], whole)
+              for n, kind, whole in spans]
     logits = torch.randint(-2, 3, (sum(w.count for w in wanted), vocab), generator=g).to(dtype)
     if nan and logits.numel():
         logits.view(-1)[torch.randint(logits.numel(), (1,), generator=g)] = float("nan")
@@ -29,8 +31,7 @@ def _expected(row: torch.Tensor, w: RowsWanted, m: int) -> int:
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 3), st.booleans(), st.booleans()), min_size=1, max_size=5),
-       st.integers(1, 40), st.sampled_from([torch.float32, torch.float16, torch.bfloat16, torch.float64]),
+@given(SPANS, st.integers(1, 40), st.sampled_from([torch.float32, torch.float16, torch.bfloat16, torch.float64]),
        st.integers(0, 2**31 - 1), st.booleans())
 def test_each_rows_token_is_its_own_argmax_or_draw(spans, vocab, dtype, seed, nan):
     logits, wanted = _step(spans, vocab, dtype, seed, nan)
@@ -47,8 +48,7 @@ def test_each_rows_token_is_its_own_argmax_or_draw(spans, vocab, dtype, seed, na
 
 
 @settings(max_examples=40, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 3), st.booleans(), st.booleans()), min_size=1, max_size=5),
-       st.integers(1, 40), st.integers(0, 2**31 - 1))
+@given(SPANS, st.integers(1, 40), st.integers(0, 2**31 - 1))
 def test_from_a_device_only_tokens_come_back_but_for_whole_rows(spans, vocab, seed):
     """The device path, run on CPU tensors: the same tokens, and rows only where a request wants them whole."""
     logits, wanted = _step(spans, vocab, torch.float32, seed, False)
