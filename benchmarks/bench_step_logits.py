@@ -77,7 +77,8 @@ def main(argv=None) -> int:
                           for _ in drafts]
                 return [accept_matching(d.token_ids, t.token) for t, d in zip(host_rows(logits, wanted), drafts)]
 
-            assert whole_rows() == tokens_only() or device.type != "cpu", "the two paths disagree"
+            if params.greedy or device.type == "cpu":  # (a draw on a device may round differently, that rarely)
+                assert whole_rows() == tokens_only(), "the two paths disagree"
             before, after = median_us(whole_rows, args.repeats, sync), median_us(tokens_only, args.repeats, sync)
             rows_out.append(["greedy" if params.greedy else f"t{temperature}", str(k), f"{before:.0f}", f"{after:.0f}",
                              f"{before / after:.1f}x"])

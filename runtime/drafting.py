@@ -104,6 +104,7 @@ def verify_draft(draft: Draft, target: TargetRows, params: SamplingParams, noise
     ``m`` after node ``m``. A deterministic draft (and any draft, greedy) is kept while it equals the target's
     own token (the argmax, or the draw of the output position's uniform: exactly plain decoding's tokens); a
     sampled chain (``draft.probs``) by rejection sampling from output ``position`` on."""
+    assert len(target) == len(draft.token_ids) + 1, f"need 1 + {len(draft.token_ids)} rows; got {len(target)}"
     if draft.parents is not None:
         return accept_tree(draft.token_ids, draft.parents, target.token)
     if params.greedy or draft.probs is None:

@@ -408,7 +408,7 @@ class Engine:
             logits, hidden = self.program(stream, meta, self.kv_cache, return_hidden=True)
         else:
             logits, hidden = self.program(stream, meta, self.kv_cache), None
-        # the target's tokens (the rows themselves where a request reads them), decided on the host
+        # the target's tokens, picked where the logits are (rows brought back only where a request reads them)
         targets = host_rows(logits, [rows_wanted(c.request, drafts.get(c.request.request_id), len(w))
                                      for c, w in zip(chunks, want)])
         t_back = time.perf_counter()
@@ -428,7 +428,7 @@ class Engine:
                 new_tokens, path = self._verify(r, drafts[rid], target)
                 if path != list(range(1, len(path) + 1)):  # tree nodes off the chain's cache indices
                     keep_path(self.kv_cache, self.kv.slot_mapping(rid, c.start, max(path) + 1), path)
-                token_logits = token_logits[[0] + path] if token_logits is not None else None
+                token_logits = token_logits[[0] + path] if r.logprobs is not None else None
                 if hidden is not None:  # the features of the fed token and the accepted drafts
                     self.speculation.on_features(rid, c.start, hidden[[offset - fed + m for m in [0] + path]])
                 # cached now: the last token + the accepted drafts (the final token is not yet fed)

@@ -12,9 +12,10 @@ chose plain decoding), and the host seconds of each look are timed; both are dec
 the saving's with a long memory (in chat a strong match comes every few dozen steps and saves 20-50
 times a look's cost) and trusted only after ``min_looks`` looks, or fewer where a look is dear against a
 step: those first looks at a batch size spend at most ``explore_steps`` decode steps' worth of host time (at
-least ``least_looks`` looks). On a 2-core CPU a look is about 1% of a batch-4 step and all 16 are made; on
-an H100, where a step is a 3.3 ms CUDA-graph replay, a look of 0.2 ms was about 6% of one, and 16 looks on
-each 64-token batch of chat cost about as much as adaptive decoding lost there against none (2%, run V).
+least ``least_looks`` looks). On a 2-core CPU a look is about 1% of a batch-4 step and all 16 are made. On
+an H100, where a step is a 3.3 ms CUDA-graph replay, a look as dear as on that CPU (0.2 ms; not measured on
+the GPU's host) would be about 6% of one, and run V's 22 looks per 64-token batch of chat would cost about
+what adaptive decoding lost there against none (2%); the gate would make 4 first looks, not 16.
 The means weigh every look by its age alone: a mean that starts at its first sample keeps that sample's
 weight for dozens of looks, and one early strong match held the gate open for a whole closed batch of chat
 that never speculated again.

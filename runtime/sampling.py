@@ -107,7 +107,12 @@ def sample(logits: torch.Tensor, params: SamplingParams, noise: PositionNoise | 
     if params.greedy:
         return int(torch.argmax(logits))
     assert noise is not None, "a sampled request needs its PositionNoise"
-    return draw_token(probabilities(logits, params), noise.draws(position, 1)[0])
+    return draw(logits, params, noise.draws(position, 1)[0])
+
+
+def draw(logits: torch.Tensor, params: SamplingParams, u: float) -> int:
+    """The token ``params`` draws from ``logits [V]`` with the uniform ``u`` (inverse CDF)."""
+    return draw_token(probabilities(logits, params), u)
 
 
 def token_logprobs(logits: torch.Tensor, token: int, top: int) -> tuple[float, list[tuple[int, float]]]:

@@ -6,13 +6,14 @@ the output position the row decides (``sampling.PositionNoise``). On a GPU those
 logits are, and only they come back: 4 ints instead of 4 x 49152 floats (0.8 MB) after a batch-4 SmolLM2
 decode step, (k + 1) times that for a verify. Whole rows come to the host only for a request that returns
 logprobs or verifies a sampled draft by rejection (it reads ``p / q``). On the CPU the rows are views, and a
-sampled row's draw is made when verification reaches it: a verify that stops at its first draft draws 2 of
+sampled row's draw is made when verification reaches it: a verify whose first draft is rejected draws 1 of
 its k + 1 rows.
 
 ``argmax`` is the first of equal maxima on every device and in NumPy, and a row's draw reads that row alone,
 so where a token is picked changes no token on the CPU. On a GPU a draw's float64 cumulative sum may round
 differently from the host's, which moves a draw only when its uniform falls within rounding of a token's
-edge (CUDA's logits are not batch-invariant anyway).
+edge (CUDA's logits are not batch-invariant anyway); so on a GPU a sampled request that asks for logprobs
+(drawn on the host) may, that rarely, draw differently from one that does not.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from typing import Sequence
 import torch
 
 from .proposers.base import Draft
-from .sampling import SamplingParams, draw_token, probabilities
+from .sampling import SamplingParams, draw, probabilities
 from .token_tree import node_depths
 
 
@@ -52,8 +53,8 @@ def rows_wanted(request, draft: Draft | None, count: int) -> RowsWanted:
 
 
 class TargetRows:
-    """One sequence's rows of the step's logits. ``token(m)`` (also ``self[m]``): the target's own token after
-    step node ``m``; ``logits``: the rows ``[count, V]`` on the host (None where only the tokens came back)."""
+    """One sequence's rows of the step's logits. ``token(m)``: the target's own token after step node ``m``;
+    ``logits``: the rows ``[count, V]`` on the host (None where only the tokens came back)."""
 
     def __init__(self, wanted: RowsWanted, tokens: list[int | None], logits: torch.Tensor | None):
         self.wanted, self._tokens, self.logits = wanted, tokens, logits
@@ -61,14 +62,10 @@ class TargetRows:
     def __len__(self) -> int:
         return self.wanted.count
 
-    def __getitem__(self, m: int) -> int:
-        return self.token(m)
-
     def token(self, m: int) -> int:
         token = self._tokens[m]
         if token is None:  # a sampled row on the host: drawn when first read
-            token = self._tokens[m] = draw_token(probabilities(self.whole()[m], self.wanted.params),
-                                                 self.wanted.uniforms[m])
+            token = self._tokens[m] = draw(self.whole()[m], self.wanted.params, self.wanted.uniforms[m])
         return token
 
     def whole(self) -> torch.Tensor:
@@ -104,7 +101,7 @@ def rows_from_device(logits: torch.Tensor, wanted: Sequence[RowsWanted], starts:
         picks[index] = device_draws(logits[index], params, [u for i in members for u in wanted[i].uniforms])
     tokens = picks.tolist()
     vocab = logits.shape[-1]
-    # a draw that rounded past the last token (u * total read as total) is drawn again on the host
+    # a row with no finite CDF (NaN logits) draws past the last token: drawn again on the host, as plain decoding is
     redraw = {i for i, (w, a, b) in enumerate(zip(wanted, starts, starts[1:])) if any(t >= vocab for t in tokens[a:b])}
     picked = [i for i, w in enumerate(wanted) if w.count and (w.whole or i in redraw)]
     rows = fetch_rows(logits, starts, picked) if picked else {}
@@ -116,8 +113,8 @@ def rows_from_device(logits: torch.Tensor, wanted: Sequence[RowsWanted], starts:
 
 
 def device_draws(rows: torch.Tensor, params: SamplingParams, uniforms: Sequence[float]) -> torch.Tensor:
-    """:func:`~.sampling.draw_token` of each row with its uniform, where the rows are (``[n]`` token ids; ``V``
-    where the draw rounded past the last token, which :func:`host_rows` draws again on the host)."""
+    """:func:`~.sampling.draw` of each row with its uniform, where the rows are (``[n]`` token ids; ``V`` where
+    the row has no finite CDF, which :func:`rows_from_device` draws again on the host)."""
     cdf = probabilities(rows, params).double().cumsum(dim=-1)  # [n, V]
     u = torch.tensor(list(uniforms), dtype=torch.float64, device=rows.device).view(-1, 1)
     return torch.searchsorted(cdf, cdf[:, -1:] * u, right=True).view(-1)
@@ -136,7 +133,7 @@ def fetch_rows(logits: torch.Tensor, starts: Sequence[int], picked: Sequence[int
 def row_argmax(logits: torch.Tensor) -> list[int]:
     """Each row's argmax (the first of equal maxima). On the CPU through NumPy where it takes the dtype: its
     SIMD argmax took 11 us over 4 x 49152 float32 logits where ``torch.argmax`` took 131 (2 threads, an
-    Intel Xeon with AVX-512), about 1% of a batch-4 SmolLM2 decode step."""
+    Intel Xeon with AVX-512), about 0.5% of a batch-4 SmolLM2 decode step."""
     if logits.device.type == "cpu" and logits.dtype in _NUMPY_DTYPES:
         return logits.detach().numpy().argmax(axis=-1).tolist()
     return logits.argmax(dim=-1).tolist()

@@ -20,9 +20,11 @@ Shapes (``Engine(draft_tree=...)``)
 
 Verification
 ------------
-Greedy (:func:`verify_tree_greedy`): from the root, follow the child whose token is the target's
-argmax while there is one; emit the argmaxes: the longest root path the target agrees with, plus
-one target token. Sampling (:func:`verify_tree_sampling`): see its docstring.
+:func:`accept_tree`: from the root, follow the child whose token is the target's own token after its
+parent (greedy: the argmax; sampled: the draw of the position's uniform) while there is one; emit those
+tokens: the longest root path the target agrees with, plus one target token. The engine reads those
+tokens from ``runtime/step_logits.py``; :func:`verify_tree_greedy` and :func:`verify_tree_sampling` take
+whole logits or probability rows (the pure forms the tests check, as ``rejection.py``'s verifiers).
 """
 from __future__ import annotations
 
@@ -209,7 +211,8 @@ def chain_in_tree(parents: list[int], path: list[int]) -> tuple[int, int]:
     return len(chain), kept
 
 
-def verify_tree_greedy(tokens: list[int], parents: list[int], target_logits: torch.Tensor) -> tuple[list[int], list[int]]:
+def verify_tree_greedy(tokens: list[int], parents: list[int],
+                       target_logits: torch.Tensor) -> tuple[list[int], list[int]]:
     """Greedy tree verification over ``target_logits [1 + len(tokens), V]`` (row ``m``: after step node ``m``).
 
     Returns ``(emitted tokens, accepted step nodes)``: the longest root path equal to the target's
@@ -223,10 +226,11 @@ def verify_tree_greedy(tokens: list[int], parents: list[int], target_logits: tor
     return accept_tree(tokens, parents, target_logits.argmax(dim=-1).tolist().__getitem__)
 
 
-def accept_tree(tokens: list[int], parents: list[int], target_token: Callable[[int], int]) -> tuple[list[int], list[int]]:
+def accept_tree(tokens: list[int], parents: list[int],
+                target_token: Callable[[int], int]) -> tuple[list[int], list[int]]:
     """The longest root path whose nodes carry the target's own token after their parent (``target_token(m)``:
     the argmax, or the draw of the uniform of the output position it decides, of the row after step node
-    ``m``; asked only for the nodes reached), then that token where it stops (see :func:`verify_tree_greedy`)."""
+    ``m``; asked only for the nodes reached), then that token where it stops (see the module docstring)."""
     children = step_children(parents)
     node, out, path = 0, [], []
     while True:

@@ -79,6 +79,41 @@ def test_logprobs_of_verified_tokens_are_plain_decodings(temperature):
     assert spec.stats["draft_tokens"] > 0 and spec.stats["acceptance_rate"] > 0
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.3])
+def test_tokens_picked_as_on_a_device_are_the_engines_own(monkeypatch, temperature):
+    """The engine's path for logits on a GPU (runtime/step_logits.py: tokens picked there, rows brought back only
+    for logprobs or a sampled draft's rejection), run on the CPU: plain decoding, n-gram chains and trees, a
+    draft model's drafts and a logprobs request give the tokens (and log p) of the engine's CPU path."""
+    from specgraph.runtime import engine as engine_module, step_logits
+
+    def as_on_a_device(logits, wanted):
+        starts = [0]
+        for w in wanted:
+            starts.append(starts[-1] + w.count)
+        return step_logits.rows_from_device(logits, wanted, starts)
+
+    target = make_family("llama")
+    configs = {"plain": {}, "chain": dict(draft="ngram", num_draft_tokens=3), "tree": dict(draft="ngram",
+               draft_tree="static:2,1,1"), "model": dict(draft=make_family("llama", seed=1), num_draft_tokens=2)}
+    prompts = _repetitive("llama", 3)
+    kw = dict(max_new_tokens=12, ignore_eos=True, temperature=temperature, seed=4)
+
+    def run(name):
+        engine = specgraph.Engine(target, num_blocks=64, page_size=8, adaptive=False, **configs[name])
+        out = [r.token_ids for r in engine.generate(prompts, **kw)]
+        (scored,) = engine.submit(prompts[0], logprobs=2, **{k: v for k, v in kw.items() if k != "seed"})
+        while not scored.finished:
+            engine.step()
+        return out, scored.output_ids, [round(p, 5) for p, _ in scored.output_logprobs], engine.stats["draft_tokens"]
+
+    want = {name: run(name) for name in configs}
+    monkeypatch.setattr(engine_module, "host_rows", as_on_a_device)
+    for name in configs:
+        got = run(name)
+        assert got[:3] == want[name][:3], name
+        assert name == "plain" or got[3] > 0, name  # drafts were verified
+
+
 def test_draft_vocabulary_mismatch_is_a_clear_error():
     target = tiny_llama(vocab=128)
     with pytest.raises(ValueError, match="vocabulary"):

@@ -7,6 +7,7 @@ from hypothesis import given, settings, strategies as st
 
 from specgraph.runtime.proposers.base import Draft
 from specgraph.runtime.sampling import PositionNoise, SamplingParams, draw_token, probabilities
+import specgraph.runtime.step_logits as step_logits
 from specgraph.runtime.step_logits import (RowsWanted, device_draws, fetch_rows, host_rows, row_argmax,
                                            rows_from_device, rows_wanted)
 
@@ -37,14 +38,17 @@ def test_each_rows_token_is_its_own_argmax_or_draw(spans, vocab, dtype, seed, na
     logits, wanted = _step(spans, vocab, dtype, seed, nan)
     if nan and any(not w.params.greedy for w in wanted):
         logits = torch.nan_to_num(logits)  # (a NaN row has no distribution to draw from)
-    at = 0
-    for w, target in zip(wanted, host_rows(logits, wanted)):
-        mine = logits[at:at + w.count]
-        assert len(target) == w.count
-        if not w.params.greedy:
-            assert target._tokens == [None] * w.count  # drawn when read, not before
-        assert [target[m] for m in range(w.count)] == [_expected(row, w, m) for m, row in enumerate(mine)]
-        at += w.count
+    draws = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(step_logits, "draw", lambda *a: draws.append(a) or draw_token(probabilities(a[0], a[1]), a[2]))
+        targets = host_rows(logits, wanted)
+        assert draws == []  # on the CPU a sampled row is drawn when read, not before
+        at = 0
+        for w, target in zip(wanted, targets):
+            mine = logits[at:at + w.count]
+            assert len(target) == w.count
+            assert [target.token(m) for m in range(w.count)] == [_expected(row, w, m) for m, row in enumerate(mine)]
+            at += w.count
 
 
 @settings(max_examples=40, deadline=None)
@@ -57,19 +61,20 @@ def test_from_a_device_only_tokens_come_back_but_for_whole_rows(spans, vocab, se
         starts.append(starts[-1] + w.count)
     for i, (w, target) in enumerate(zip(wanted, rows_from_device(logits, wanted, starts))):
         mine = logits[starts[i]:starts[i + 1]]
-        assert [target[m] for m in range(w.count)] == [_expected(row, w, m) for m, row in enumerate(mine)]
+        assert [target.token(m) for m in range(w.count)] == [_expected(row, w, m) for m, row in enumerate(mine)]
         if w.whole and w.count:
             assert torch.equal(target.whole(), mine)
         else:
             assert target.logits is None
 
 
-def test_a_device_draw_that_rounds_past_the_last_token_is_drawn_again_on_the_host():
-    logits = torch.tensor([[0.0, 0.0, -float("inf")]])  # the last token has no weight
-    w = RowsWanted(1, SamplingParams(temperature=1.0), [1.0 - 1e-17])  # u * total reads as total
+def test_a_row_the_device_cannot_draw_from_is_drawn_again_on_the_host():
+    logits = torch.tensor([[0.0, float("nan"), 1.0]])  # no finite CDF
+    w = RowsWanted(1, SamplingParams(temperature=1.0), [0.5])
     assert int(device_draws(logits, w.params, w.uniforms)[0]) == 3  # past the end: the host draws
     (target,) = rows_from_device(logits, [w], [0, 1])
-    assert target[0] == 1 and torch.equal(target.whole(), logits)
+    assert target.token(0) == draw_token(probabilities(logits[0], w.params), 0.5)
+    assert torch.equal(target.whole().nan_to_num(), logits.nan_to_num())
 
 
 def test_rows_fetched_from_a_device_are_the_picked_sequences_in_order():
