@@ -97,7 +97,7 @@ def rows_from_device(logits: torch.Tensor, wanted: Sequence[RowsWanted], starts:
         if w.count and not w.params.greedy and not w.whole:
             drawn.setdefault(w.params, []).append(i)
     for params, members in drawn.items():
-        index = torch.tensor([r for i in members for r in range(starts[i], starts[i + 1])], device=logits.device)
+        index = _row_index(starts, members, logits.device)
         picks[index] = device_draws(logits[index], params, [u for i in members for u in wanted[i].uniforms])
     tokens = picks.tolist()
     vocab = logits.shape[-1]
@@ -122,12 +122,16 @@ def device_draws(rows: torch.Tensor, params: SamplingParams, uniforms: Sequence[
 
 def fetch_rows(logits: torch.Tensor, starts: Sequence[int], picked: Sequence[int]) -> dict[int, torch.Tensor]:
     """Sequence ``i``'s rows ``starts[i]:starts[i + 1]`` for each ``i`` in ``picked``, on the host, in one copy."""
-    index = torch.tensor([r for i in picked for r in range(starts[i], starts[i + 1])], device=logits.device)
-    fetched, rows, at = logits[index].cpu(), {}, 0
+    fetched, rows, at = logits[_row_index(starts, picked, logits.device)].cpu(), {}, 0
     for i in picked:
         n = starts[i + 1] - starts[i]
         rows[i], at = fetched[at:at + n], at + n
     return rows
+
+
+def _row_index(starts: Sequence[int], members: Sequence[int], device: torch.device) -> torch.Tensor:
+    """The rows of sequences ``members`` (sequence ``i``'s: ``starts[i]:starts[i + 1]``), in order, on ``device``."""
+    return torch.tensor([r for i in members for r in range(starts[i], starts[i + 1])], device=device)
 
 
 def row_argmax(logits: torch.Tensor) -> list[int]:
