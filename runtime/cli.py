@@ -234,7 +234,7 @@ def cmd_distill(args) -> int:
 
     from .heads.distill import Recipe, distill
 
-    given = {"prompts": args.prompts, "texts": args.texts, "max_new_tokens": args.max_new_tokens,
+    given = {"prompts": args.prompts, "self_asked": args.self_asked, "texts": args.texts, "max_new_tokens": args.max_new_tokens,
              "steps": args.steps, "draft_vocab": args.draft_vocab, "seed": args.seed}
     recipe = replace(Recipe(), **{k: v for k, v in given.items() if v is not None})
     model, tok = _load(args)
@@ -285,6 +285,8 @@ def build_parser() -> argparse.ArgumentParser:
     distill.add_argument("--head", default="eagle", choices=("eagle", "medusa"))
     distill.add_argument("--out", required=True, help="the head's .safetensors (its config goes to OUT.json)")
     distill.add_argument("--prompts", type=_positive, default=None, help="prompts the target answers")
+    distill.add_argument("--self-asked", type=int, default=None,
+                         help="prompts the target asks itself (0: only the standard library's)")
     distill.add_argument("--texts", type=_positive, default=None, help="plain-text sequences")
     distill.add_argument("--max-new-tokens", type=_positive, default=None, help="tokens per answer")
     distill.add_argument("--steps", type=_positive, default=None, help="training steps")

@@ -10,6 +10,7 @@ import specgraph
 from specgraph.compiler.program import AttentionMetadata
 from specgraph.runtime.heads.base import load_head, target_vocab_weights
 from specgraph.runtime.heads.distill import Recipe, distill, target_head_config
+from specgraph.runtime.heads.distill_data import CODE_OPENERS
 from specgraph.runtime.heads.eagle import EagleHead
 from specgraph.runtime.heads.training import eagle_losses
 from specgraph.runtime.proposers.learned import candidate_rows, candidates, default_head_scheme
@@ -268,3 +269,55 @@ def test_heads_for_any_decoder_the_compiler_accepts(tmp_path, family, kind):
     want = [r.token_ids for r in plain.generate(prompts[:3], max_new_tokens=10, ignore_eos=True)]
     assert [r.token_ids for r in spec.generate(prompts[:3], max_new_tokens=10, ignore_eos=True)] == want
     assert spec.stats["tree_nodes_verified"] > 0
+
+
+class _ScriptedEngine:
+    """Answers each asked prompt with the next scripted ``(text, finish_reason)``, recording the prompts."""
+
+    def __init__(self, tok, script):
+        self.tok, self.script, self.asked = tok, list(script), []
+
+    def generate(self, prompts, max_new_tokens, temperature, top_p, seed):
+        from specgraph.runtime.prompts import GenerationResult
+
+        self.asked += prompts
+        out = []
+        for _ in prompts:
+            text, reason = self.script.pop(0) if self.script else ("", "length")
+            ids = self.tok(text, add_special_tokens=False)["input_ids"]
+            out.append(GenerationResult(ids, text, reason, 0, 0))
+        return out
+
+
+def test_self_asked_prompts_are_the_targets_finished_user_turns_in_its_chat_template():
+    from specgraph.runtime.heads.distill_data import chat_ids, self_asked_prompts, user_turn_prefix
+
+    tok = specgraph.load_model("smollm2-135m-instruct")[1]
+    prefix = user_turn_prefix(tok)
+    assert prefix.endswith("<|im_start|>user\n"), prefix
+    turns = [(" a function that adds two numbers.", "stop"), (" is the sky blue?", "stop"),
+             (" and on and on", "length"),  # ran past the token limit: dropped
+             ("?", "stop"),  # too short: dropped
+             (" a class for a stack.", "stop")]
+    engine = _ScriptedEngine(tok, turns)
+    got = self_asked_prompts(engine, tok, count=3, max_tokens=16, seed=0, heldout_fraction=0.0, batch=2)
+    assert len(got) == 3 and all(not held for _, _, held in got)
+    assert all(tok.decode(a).startswith(prefix) for a in engine.asked)  # asked in the user's place
+    for (kind, ids, _), asked in zip(got, engine.asked[:2] + engine.asked[4:5]):
+        opener = tok.decode(asked)[len(prefix):]
+        assert kind == ("code" if opener in CODE_OPENERS else "chat")
+    texts = [tok.decode(ids) for _, ids, _ in got]
+    assert texts[0] == tok.decode(chat_ids(tok, tok.decode(engine.asked[0])[len(prefix):]
+                                           + " a function that adds two numbers."))
+    assert all(t.endswith("<|im_start|>assistant\n") for t in texts)  # ready for the target's answer
+    assert [k for k, _, _ in got] == ["code", "chat", "code"]
+
+
+def test_self_asked_prompts_need_a_chat_template():
+    from specgraph.runtime.heads.distill_data import self_asked_prompts
+
+    class Plain:
+        chat_template = None
+
+    with pytest.raises(ValueError, match="chat template"):
+        self_asked_prompts(None, Plain(), 4, 16, 0, 0.0)

@@ -3,7 +3,7 @@
     specgraph distill --model smollm2-135m-instruct --head eagle --out head.safetensors
 
 1. The training set (``distill_data.py``): the target's own answers to prompts made from the
-   standard library, plus plain text, with the target's features for every token. Cached beside
+   standard library and to prompts it asks itself, plus plain text, with the target's features for every token. Cached beside
    ``out`` (``<out>.data.pt``, or ``data``): a later run with the same data recipe for the same target
    (a resumed one, or one for another head kind) reuses it.
 2. The draft vocabulary: the ``draft_vocab`` most frequent next tokens of the training split.
@@ -22,21 +22,24 @@ from pathlib import Path
 import torch
 
 from .base import DraftHead, save_head, target_fingerprint, target_vocab_weights
-from .distill_data import Sequence, chat_ids, stdlib_modules, stdlib_prompts, stdlib_texts, target_responses, \
-    teacher_features
+from .distill_data import Sequence, chat_ids, self_asked_prompts, stdlib_modules, stdlib_prompts, stdlib_texts, \
+    target_responses, teacher_features
 from .eagle import EagleConfig, EagleHead
 from .medusa import MedusaConfig, MedusaHeads
 from .training import progress_bar, heldout_acceptance, train
 
 HEADS = ("eagle", "medusa")
-DATA_FIELDS = ("prompts", "texts", "text_tokens", "max_new_tokens", "sampled_fraction", "heldout_fraction", "seed")
+DATA_FIELDS = ("prompts", "self_asked", "asked_tokens", "texts", "text_tokens", "max_new_tokens", "sampled_fraction",
+               "heldout_fraction", "seed")
 
 
 @dataclass(frozen=True)
 class Recipe:
     """What ``distill`` builds and how it trains (stored in the head's JSON)."""
 
-    prompts: int = 600
+    prompts: int = 600  # made from the standard library
+    self_asked: int = 1000  # asked by the target itself (distill_data.self_asked_prompts)
+    asked_tokens: int = 64  # the longest self-asked user turn
     texts: int = 150
     text_tokens: int = 512
     max_new_tokens: int = 160
@@ -148,8 +151,9 @@ def distill(model: torch.nn.Module, tokenizer=None, *, out: str | Path, head: st
 
 def build_training_set(model, tokenizer, program, recipe: Recipe, prompts, texts, progress: bool,
                        log) -> list[Sequence]:
-    """Prompts -> the target's answers, plus plain texts; then the target's features of all of them
-    (``program``: the target compiled with ``hidden_states``, page size 16)."""
+    """Prompts (the standard library's and the target's self-asked ones, or the given token ids) -> the
+    target's answers, plus plain texts; then the target's features of all of them (``program``: the target
+    compiled with ``hidden_states``, page size 16)."""
     from ..engine import Engine
     from .distill_data import heldout
 
@@ -158,15 +162,21 @@ def build_training_set(model, tokenizer, program, recipe: Recipe, prompts, texts
         if tokenizer is None:
             raise ValueError("distill without a tokenizer needs prompts and texts as token ids")
         modules = stdlib_modules(recipe.seed)
+    engine = Engine(model, tokenizer, max_num_seqs=16, self_check=False, prefix_caching=False)
     if prompts is None:
         prompts = [(kind, chat_ids(tokenizer, text), held)
                    for kind, text, held in stdlib_prompts(modules, recipe.prompts, recipe.seed, recipe.heldout_fraction)]
+        if recipe.self_asked:
+            bar = progress_bar(None, 0, progress)  # (turns that run on are dropped and asked again)
+            bar.set_description("self-asked prompts")
+            prompts += self_asked_prompts(engine, tokenizer, recipe.self_asked, recipe.asked_tokens, recipe.seed,
+                                          recipe.heldout_fraction, progress=bar.update)
+            bar.close()
     else:
         prompts = [("chat", list(p), heldout(str(i), recipe.heldout_fraction)) for i, p in enumerate(prompts)]
     plain = stdlib_texts(modules, tokenizer, recipe.texts, recipe.text_tokens, recipe.heldout_fraction) \
         if texts is None else [Sequence(list(t), "text", rng.random() < recipe.heldout_fraction) for t in texts]
     log(f"distill: {len(prompts)} prompts ({sum(p[2] for p in prompts)} held out), {len(plain)} texts")
-    engine = Engine(model, tokenizer, max_num_seqs=16, self_check=False, prefix_caching=False)
     bar = progress_bar(len(prompts), 0, progress)
     bar.set_description("target answers")
     answers = target_responses(engine, prompts, recipe.max_new_tokens, recipe.sampled_fraction, recipe.seed,

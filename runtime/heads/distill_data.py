@@ -3,6 +3,12 @@
 * **Prompts** (:func:`stdlib_prompts`): code tasks from the standard library's functions (name,
   arguments and the first line of the docstring: "Write a Python function `name(args)` that ...")
   and chat tasks from its module and function docstrings ("Explain ...", "Summarize ...").
+* **Self-asked prompts** (:func:`self_asked_prompts`, the Magpie recipe, Xu et al. 2024): the target
+  writes user turns itself, sampled from its chat template cut where a user's message starts (after a
+  few generic openers, half of them coding tasks). They cover what an assistant is asked far more
+  widely than the standard library does: the shipped head trained on stdlib prompts alone agreed with
+  the target on the first draft 42% of the time on unseen code prompts and 19% on unseen chat prompts,
+  against 57% on its own held-out split.
 * **Texts** (:func:`stdlib_texts`): pieces of the standard library's source, and its docstrings as prose.
 * **Responses** (:func:`target_responses`): the target's own answers to the prompts, in its chat
   template, greedy and sampled (what the head will draft at inference).
@@ -114,6 +120,54 @@ def stdlib_texts(modules, tokenizer, count: int, length: int, heldout_fraction: 
         ids = tokenizer(text, add_special_tokens=False)["input_ids"][:length]
         if len(ids) >= length // 2:
             out.append(Sequence(ids, "text", heldout(name, heldout_fraction)))
+    return out
+
+
+CODE_OPENERS = ("Write a Python function", "Write a Python class", "Write a Python script", "Write a function",
+                "Write a SQL query", "Write a JavaScript", "Write a shell script", "Implement", "Fix", "Refactor",
+                "Explain this code", "How do I", "In Python,", "Here is my code")
+CHAT_OPENERS = ("", "", "", "What", "How", "Can you", "Why", "Write", "I")
+
+
+def user_turn_prefix(tokenizer) -> str | None:
+    """The chat template's text up to where a user's message starts (None without a chat template)."""
+    if not getattr(tokenizer, "chat_template", None):
+        return None
+    marker = "\x00USER\x00"
+    text = tokenizer.apply_chat_template([{"role": "user", "content": marker}], tokenize=False,
+                                         add_generation_prompt=True)
+    return text[:text.index(marker)] if marker in text else None
+
+
+def self_asked_prompts(engine, tokenizer, count: int, max_tokens: int, seed: int, heldout_fraction: float,
+                       batch: int = 16, progress=None) -> list[tuple[str, list[int], bool]]:
+    """``count`` prompts ``(kind, ids in the chat template, heldout)`` the target asks itself: its user-turn
+    prefix plus an opener (alternately a coding one, ``kind`` "code", and a general one, "chat"), continued by
+    sampling (temperature 1, top-p 0.95) up to the end of the turn. Turns that run past ``max_tokens`` or
+    have under 4 tokens are dropped, so a few more than ``count`` are asked for."""
+    prefix = user_turn_prefix(tokenizer)
+    if prefix is None:
+        raise ValueError("distill: self-asked prompts need a tokenizer with a chat template")
+    rng = random.Random(seed)
+    out: list[tuple[str, list[int], bool]] = []
+    round_ = 0
+    while len(out) < count and round_ < 4:
+        want = count - len(out)
+        plan = [("code", rng.choice(CODE_OPENERS)) if i % 2 == 0 else ("chat", rng.choice(CHAT_OPENERS))
+                for i in range(want + want // 8 + 1)]
+        for i in range(0, len(plan), batch):
+            part = plan[i:i + batch]
+            asked = [tokenizer(prefix + opener, add_special_tokens=False)["input_ids"] for _, opener in part]
+            results = engine.generate(asked, max_new_tokens=max_tokens, temperature=1.0, top_p=0.95,
+                                      seed=seed * 7919 + round_ * 100_003 + i)
+            for (kind, opener), res in zip(part, results):
+                if res.finish_reason != "stop" or len(res.token_ids) < 4 or len(out) >= count:
+                    continue
+                text = (opener + tokenizer.decode(res.token_ids, skip_special_tokens=True)).strip()
+                out.append((kind, chat_ids(tokenizer, text), heldout(f"self-asked:{len(out)}", heldout_fraction)))
+            if progress is not None:
+                progress(len(part))
+        round_ += 1
     return out
 
 

@@ -151,7 +151,7 @@ def train(head: DraftHead, sequences: list[Sequence], recipe, checkpoint: Path |
             "loss": mean(losses_seen[-20:]), "seconds": round(time.perf_counter() - t0, 1)}
 
 
-def progress_bar(total: int, done: int, show: bool):
+def progress_bar(total: int | None, done: int, show: bool):
     from tqdm import tqdm
 
     return tqdm(total=total, initial=done, disable=not show, desc="distill", dynamic_ncols=True)
