@@ -193,6 +193,13 @@ def _positive(text: str) -> int:
     return value
 
 
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0; got {value}")
+    return value
+
+
 def _engine_options(p: argparse.ArgumentParser) -> None:
     from ..compiler.options import KV_DTYPES, LOWERINGS, PAGE_SIZES, WEIGHT_DTYPES
 
@@ -234,8 +241,8 @@ def cmd_distill(args) -> int:
 
     from .heads.distill import Recipe, distill
 
-    given = {"prompts": args.prompts, "self_asked": args.self_asked, "texts": args.texts, "max_new_tokens": args.max_new_tokens,
-             "steps": args.steps, "draft_vocab": args.draft_vocab, "seed": args.seed}
+    given = {"prompts": args.prompts, "self_asked": args.self_asked, "texts": args.texts,
+             "max_new_tokens": args.max_new_tokens, "steps": args.steps, "draft_vocab": args.draft_vocab, "seed": args.seed}
     recipe = replace(Recipe(), **{k: v for k, v in given.items() if v is not None})
     model, tok = _load(args)
     distill(model, tok, out=args.out, head=args.head, recipe=recipe, data=args.data, resume=args.resume,
@@ -285,7 +292,7 @@ def build_parser() -> argparse.ArgumentParser:
     distill.add_argument("--head", default="eagle", choices=("eagle", "medusa"))
     distill.add_argument("--out", required=True, help="the head's .safetensors (its config goes to OUT.json)")
     distill.add_argument("--prompts", type=_positive, default=None, help="prompts the target answers")
-    distill.add_argument("--self-asked", type=int, default=None,
+    distill.add_argument("--self-asked", type=_non_negative, default=None,
                          help="prompts the target asks itself (0: only the standard library's)")
     distill.add_argument("--texts", type=_positive, default=None, help="plain-text sequences")
     distill.add_argument("--max-new-tokens", type=_positive, default=None, help="tokens per answer")

@@ -3,9 +3,9 @@
     specgraph distill --model smollm2-135m-instruct --head eagle --out head.safetensors
 
 1. The training set (``distill_data.py``): the target's own answers to prompts made from the
-   standard library and to prompts it asks itself, plus plain text, with the target's features for every token. Cached beside
-   ``out`` (``<out>.data.pt``, or ``data``): a later run with the same data recipe for the same target
-   (a resumed one, or one for another head kind) reuses it.
+   standard library and to prompts it asks itself, plus plain text, with the target's features for
+   every token. Cached beside ``out`` (``<out>.data.pt``, or ``data``): a later run with the same data
+   recipe for the same target (a resumed one, or one for another head kind) reuses it.
 2. The draft vocabulary: the ``draft_vocab`` most frequent next tokens of the training split.
 3. Training and held-out acceptance per draft position (``training.py``).
 4. ``out`` (float16 safetensors) + ``out.json``: kind, config, target fingerprint, recipe, steps,
