@@ -310,6 +310,12 @@ def test_self_asked_prompts_are_the_targets_finished_user_turns_in_its_chat_temp
     assert texts[0] == tok.decode(chat_ids(tok, tok.decode(engine.asked[0])[len(prefix):]
                                            + " a function that adds two numbers."))
     assert all(t.endswith("<|im_start|>assistant\n") for t in texts)  # ready for the target's answer
+    assert "is the sky blue?" in texts[1] and "a class for a stack." in texts[2]  # the dropped turns skipped
+    assert not any("on and on" in t for t in texts)
+    assert len(engine.asked) == 6  # asked again for the dropped ones
+    once = _ScriptedEngine(tok, turns)
+    assert len(self_asked_prompts(once, tok, count=1, max_tokens=16, seed=0, heldout_fraction=0.0, batch=1)) == 1
+    assert len(once.asked) == 1  # no more asked once enough were kept
     assert [k for k, _, _ in got] == ["code", "chat", "code"]
 
 

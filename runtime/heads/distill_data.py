@@ -156,12 +156,14 @@ def self_asked_prompts(engine, tokenizer, count: int, max_tokens: int, seed: int
         plan = [("code", rng.choice(CODE_OPENERS)) if i % 2 == 0 else ("chat", rng.choice(CHAT_OPENERS))
                 for i in range(want + want // 8 + 1)]
         for i in range(0, len(plan), batch):
+            if len(out) >= count:
+                break
             part = plan[i:i + batch]
             asked = [tokenizer(prefix + opener, add_special_tokens=False)["input_ids"] for _, opener in part]
             results = engine.generate(asked, max_new_tokens=max_tokens, temperature=1.0, top_p=0.95,
                                       seed=seed * 7919 + round_ * 100_003 + i)
             for (kind, opener), res in zip(part, results):
-                if res.finish_reason != "stop" or len(res.token_ids) < 4 or len(out) >= count:
+                if res.finish_reason != "stop" or len(res.token_ids) < 4 or len(out) >= count:  # (the last batch)
                     continue
                 text = (opener + tokenizer.decode(res.token_ids, skip_special_tokens=True)).strip()
                 out.append((kind, chat_ids(tokenizer, text), heldout(f"self-asked:{len(out)}", heldout_fraction)))
