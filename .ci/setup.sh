@@ -5,6 +5,14 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+# The venv takes about 2.5 GB and the model's float32 cache 0.6 GB; say so up front rather than fail
+# inside pip with ENOSPC (a CI run once had too little disk). pip keeps no cache of its own here.
+export PIP_NO_CACHE_DIR=1
+free_kb=$(df -Pk . | awk 'NR==2 {print $4}')
+if [ ! -x .venv/bin/python ] && [ "${free_kb:-0}" -lt $((3 * 1024 * 1024)) ]; then
+    echo "setup: only $((free_kb / 1024)) MB free on $(df -P . | awk 'NR==2 {print $6}'); specgraph's venv and model cache need about 3 GB" >&2
+    exit 1
+fi
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
 .venv/bin/python -m pip install -q torch==2.13.0
