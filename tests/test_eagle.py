@@ -95,6 +95,37 @@ def test_resume_continues_from_the_checkpoint(tiny_head, tmp_path):
     assert record["steps"] == 160 and record["first_step"] == 150  # ten more steps, the data reused
 
 
+
+def test_training_keeps_the_weights_that_measured_best_on_held_out_answers(tiny_head, monkeypatch, tmp_path):
+    """Measured every CHECKPOINT_STEPS steps and at the end: the head comes back with the weights of the best
+    measurement (not the last), the curve is in the record, and a resumed run remembers the best so far."""
+    from specgraph.runtime.heads import training
+    from specgraph.runtime.heads.distill_data import Sequence
+
+    model, _, _ = tiny_head
+    gen = torch.Generator().manual_seed(1)
+    seqs = [Sequence(torch.randint(0, VOCAB, (24,), generator=gen).tolist(), "text", i == 0, prompt_len=4,
+                     greedy=True, feats=torch.randn(24, model.config.hidden_size, generator=gen)) for i in range(6)]
+    scores, seen = iter([1.2, 1.9, 1.4, 1.1]), {}
+
+    def scripted(head, sequences, depth=5):
+        assert head.training and sequences is seqs
+        seen[len(seen)] = {k: v.clone() for k, v in head.state_dict().items()}
+        return next(scores)
+
+    monkeypatch.setattr(training, "CHECKPOINT_STEPS", 5)
+    monkeypatch.setattr(training, "heldout_tokens_per_forward", scripted)
+    head = _head(model, VOCAB, 48)
+    recipe = Recipe(steps=15, batch=2, window=16, lr=3e-3)
+    ckpt = tmp_path / "head.ckpt.pt"
+    record = training.train(head, seqs, recipe, ckpt, progress=False)
+    assert record["heldout_curve"] == [[5, 1.2], [10, 1.9], [15, 1.4]] and record["kept_step"] == 10
+    assert all(torch.equal(v, seen[1][k]) for k, v in head.state_dict().items())
+    assert not torch.equal(seen[1]["fc.weight"], seen[2]["fc.weight"])  # (the last weights differed)
+    record = training.train(head, seqs, Recipe(steps=20, batch=2, window=16), ckpt, resume=True, progress=False)
+    assert record["heldout_curve"][-1] == [20, 1.1] and record["kept_step"] == 10  # the best from before the resume
+
+
 def check_greedy_lossless(model, draft: str, default_tree: str, room: str, tree: str | None):
     """The kind's default tree is ``default_tree``; an engine compiled with room for ``room``, drafting ``tree``
     (None: chains), emits plain greedy's tokens at batch 1 and 4 and gains from the trained head. Returns
