@@ -77,6 +77,9 @@ def test_tiny_distill_runs_end_to_end_and_the_loss_falls(tiny_head):
     assert record["steps"] == 150 and record["data"]["sequences"] == 30
     assert record["loss"] < record["first_loss"] * 0.7, record  # (means of the first and the last 20 steps)
     assert len(record["heldout_acceptance_by_position"]) == 5
+    curve = dict(map(tuple, record["heldout_curve"]))  # measured at the end (150 < CHECKPOINT_STEPS)
+    assert list(curve) == [150] and record["kept_step"] == 150
+    assert curve[150] == pytest.approx(1 + sum(record["heldout_acceptance_by_position"]), abs=1e-3)
     cfg = json.loads((out.parent / (out.name + ".json")).read_text())
     assert cfg["draft_vocab"] == 48 and cfg["vocab_size"] == VOCAB and cfg["recipe"]["steps"] == 150
     head = load_head(out, {"eagle": EagleHead})
@@ -93,7 +96,6 @@ def test_resume_continues_from_the_checkpoint(tiny_head, tmp_path):
     record = distill(model, None, out=copy, prompts=prompts, texts=texts, progress=False, log=lambda _: None,
                      resume=True, recipe=Recipe(steps=160, batch=4, window=32, draft_vocab=48, max_new_tokens=12))
     assert record["steps"] == 160 and record["first_step"] == 150  # ten more steps, the data reused
-
 
 
 def test_training_keeps_the_weights_that_measured_best_on_held_out_answers(tiny_head, monkeypatch, tmp_path):
