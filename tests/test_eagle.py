@@ -115,13 +115,21 @@ def test_training_keeps_the_weights_that_measured_best_on_held_out_answers(tiny_
         seen[len(seen)] = {k: v.clone() for k, v in head.state_dict().items()}
         return next(scores)
 
+    saved_steps, save = [], torch.save
+
+    def counted_save(state, path):
+        saved_steps.append(state["step"])
+        save(state, path)
+
     monkeypatch.setattr(training, "CHECKPOINT_STEPS", 5)
     monkeypatch.setattr(training, "heldout_tokens_per_forward", scripted)
+    monkeypatch.setattr(training.torch, "save", counted_save)
     head = _head(model, VOCAB, 48)
     recipe = Recipe(steps=15, batch=2, window=16, lr=3e-3)
     ckpt = tmp_path / "head.ckpt.pt"
     record = training.train(head, seqs, recipe, ckpt, progress=False)
     assert record["heldout_curve"] == [[5, 1.2], [10, 1.9], [15, 1.4]] and record["kept_step"] == 10
+    assert saved_steps == [5, 10, 15]  # (the last step is a checkpoint's: written once)
     assert all(torch.equal(v, seen[1][k]) for k, v in head.state_dict().items())
     assert not torch.equal(seen[1]["fc.weight"], seen[2]["fc.weight"])  # (the last weights differed)
     record = training.train(head, seqs, Recipe(steps=20, batch=2, window=16), ckpt, resume=True, progress=False)

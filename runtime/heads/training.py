@@ -121,6 +121,7 @@ def train(head: DraftHead, sequences: list[Sequence], recipe, checkpoint: Path |
     opt = torch.optim.AdamW(params, lr=recipe.lr, betas=(0.9, 0.95), weight_decay=0.0)
     rng = random.Random(recipe.seed)
     step, curve, best = 0, [], None  # best: (tokens/forward, step, weights)
+    saved_step = None
     if resume and checkpoint is not None and checkpoint.is_file():
         state = torch.load(checkpoint, weights_only=False)
         head.load_state_dict(state["head"])
@@ -134,8 +135,11 @@ def train(head: DraftHead, sequences: list[Sequence], recipe, checkpoint: Path |
     t0 = time.perf_counter()
 
     def measure_and_save():
-        nonlocal best
-        score = heldout_tokens_per_forward(head, sequences) if not curve or curve[-1][0] != step else None
+        nonlocal best, saved_step
+        if saved_step == step:  # (the last step was a checkpoint's: measured and saved already)
+            return
+        saved_step = step
+        score = heldout_tokens_per_forward(head, sequences)
         if score is not None:
             curve.append([step, round(score, 4)])
             if best is None or score > best[0]:
