@@ -42,16 +42,25 @@ constexpr int kWidth = Vec::kWidth;
 constexpr int kVecs = kPanel / kWidth;  // panel vectors per tile
 constexpr int kTileRows = std::max(1, (Vec::kRegisters - kVecs - 2) / kVecs);  // 6 (AVX-512) or 1 (AVX2)
 
-// acc += x[:, k] * panel row k (its kVecs vectors from wp) for k in [k0, k1), for rows [0, R) of x (row
-// stride K), each row's chain in order of k; with Prefetch, the panel's row k + ahead is prefetched meanwhile
-template <int R, bool Prefetch>
+constexpr int kLines = kPanel * 4 / 64;  // 64-byte lines per panel row of k
+
+// Which lines a tile prefetches while it computes: lines [first, first + count) of the panel row `ahead`
+// rows of k beyond the one it multiplies (count 0: none).
+struct Prefetch {
+  int64_t ahead = 0;
+  int first = 0, count = 0;
+};
+
+// acc += x[:, k] * panel row k for k in [k0, k1), for rows [0, R) of x (row stride K), each row's chain in
+// order of k; meanwhile the lines `pf` names are prefetched
+template <int R, bool Prefetching>
 static inline void fma_rows(typename Vec::T (&acc)[R][kVecs], const float* x, const float* wp, int64_t K, int64_t k0,
-                            int64_t k1, int64_t ahead) {
+                            int64_t k1, const Prefetch& pf) {
   wp += k0 * kPanel;
   for (int64_t k = k0; k < k1; ++k, wp += kPanel) {
-    if constexpr (Prefetch) {
-      for (int line = 0; line < kVecs * kWidth / 16; ++line)  // the tile's 64-byte lines of row k + ahead
-        _mm_prefetch(reinterpret_cast<const char*>(wp + ahead * kPanel + line * 16), _MM_HINT_T0);
+    if constexpr (Prefetching) {
+      for (int line = pf.first; line < pf.first + pf.count; ++line)
+        _mm_prefetch(reinterpret_cast<const char*>(wp + pf.ahead * kPanel + line * 16), _MM_HINT_T0);
     }
     typename Vec::T wv[kVecs];
     for (int j = 0; j < kVecs; ++j) wv[j] = Vec::load(wp + j * kWidth);
@@ -62,29 +71,29 @@ static inline void fma_rows(typename Vec::T (&acc)[R][kVecs], const float* x, co
   }
 }
 
-// rows [0, R) of x (row stride K) times vectors [v0, v0 + kVecs) of one panel, over k in [k0, k1), onto the
-// accumulators in acc (R x kVecs vectors; zero when k0 is 0)
+// rows [0, R) of x (row stride K) times one panel, over k in [k0, k1), onto the accumulators in acc (R rows
+// of kPanel; zero when k0 is 0)
 template <int R>
-static inline void tile_span(float* acc, const float* x, const float* panel, int64_t K, int64_t v0, int64_t k0,
-                             int64_t k1, int64_t ahead) {
+static inline void tile_span(float* acc, const float* x, const float* panel, int64_t K, int64_t k0, int64_t k1,
+                             const Prefetch& pf) {
   typename Vec::T a[R][kVecs];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < kVecs; ++j) a[r][j] = k0 == 0 ? Vec::zero() : Vec::load(acc + (r * kVecs + j) * kWidth);
-  const float* wp = panel + v0 * kWidth;
-  const int64_t split = ahead > 0 ? std::clamp<int64_t>(K - ahead, k0, k1) : k0;  // (no prefetch past the panel)
-  fma_rows<R, true>(a, x, wp, K, k0, split, ahead);
-  fma_rows<R, false>(a, x, wp, K, split, k1, 0);
+  // (no prefetch past the panel)
+  const int64_t split = pf.ahead > 0 && pf.count > 0 ? std::clamp<int64_t>(K - pf.ahead, k0, k1) : k0;
+  fma_rows<R, true>(a, x, panel, K, k0, split, pf);
+  fma_rows<R, false>(a, x, panel, K, split, k1, pf);
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < kVecs; ++j) Vec::store(acc + (r * kVecs + j) * kWidth, a[r][j]);
 }
 
 // the first `rows` (<= kTileRows) rows of x, as tile_span
 template <int R>
-static inline void rows_span(int64_t rows, float* acc, const float* x, const float* panel, int64_t K, int64_t v0,
-                             int64_t k0, int64_t k1, int64_t ahead) {
+static inline void rows_span(int64_t rows, float* acc, const float* x, const float* panel, int64_t K, int64_t k0,
+                             int64_t k1, const Prefetch& pf) {
   if constexpr (R > 0) {
-    if (rows == R) tile_span<R>(acc, x, panel, K, v0, k0, k1, ahead);
-    else rows_span<R - 1>(rows, acc, x, panel, K, v0, k0, k1, ahead);
+    if (rows == R) tile_span<R>(acc, x, panel, K, k0, k1, pf);
+    else rows_span<R - 1>(rows, acc, x, panel, K, k0, k1, pf);
   }
 }
 
@@ -95,28 +104,27 @@ static inline void rows_span(int64_t rows, float* acc, const float* x, const flo
 // 26.5 -> 24.6, 12 rows 29.5 -> 26.6, 64 rows 79 -> 75; spans of 32 to 128 rows time alike. The
 // accumulators wait in `acc` between spans; a float stored and loaded is the same float, so each
 // output's FMA chain is unchanged.
+// The first tile of a span prefetches `ahead` rows of k ahead (measured, kernels/prefetch.py); the next
+// kLines tiles, which read the span from L1, each prefetch one line of every row of the next span, so the
+// memory works while they compute. SmolLM2's linears, 2 threads, an AMD EPYC with AVX2, interleaved medians:
+// 2 rows 23.0 -> 22.2 ms, 4 rows 29.0 -> 27.2, 8 rows 35.8 -> 31.6, 64 rows 163 -> 137, 256 rows 648 -> 537,
+// 1 row alike (not yet measured with AVX-512, where only 7 rows and more have a second tile).
 constexpr int64_t kSpan = 64;
 
 static void panel_rows(const float* x, const float* panel, const float* b, float* y, int64_t M, int64_t K,
                        int64_t N, int64_t col, int64_t ahead) {
-  alignas(64) float acc[kRowBlock * kVecs * kWidth];
+  alignas(64) float acc[kRowBlock * kPanel];
   const int64_t span = M <= kTileRows ? K : kSpan;  // one tile: no need to split k
-  for (int64_t v0 = 0; v0 < kPanel / kWidth && col + v0 * kWidth < N; v0 += kVecs) {
-    for (int64_t k0 = 0; k0 < K; k0 += span) {
-      const int64_t k1 = std::min(K, k0 + span);
-      for (int64_t m = 0; m < M; m += kTileRows)
-        rows_span<kTileRows>(std::min<int64_t>(kTileRows, M - m), acc + m * kVecs * kWidth, x + m * K, panel, K, v0,
-                             k0, k1, m == 0 ? ahead : 0);  // (later tiles read the span from L1)
+  for (int64_t k0 = 0; k0 < K; k0 += span) {
+    const int64_t k1 = std::min(K, k0 + span);
+    for (int64_t m = 0, tile = 0; m < M; m += kTileRows, ++tile) {
+      const Prefetch pf = tile == 0 ? Prefetch{ahead, 0, kLines}
+                          : tile <= kLines ? Prefetch{span, int(tile - 1), 1} : Prefetch{};
+      rows_span<kTileRows>(std::min<int64_t>(kTileRows, M - m), acc + m * kPanel, x + m * K, panel, K, k0, k1, pf);
     }
-    for (int64_t r = 0; r < M; ++r)
-      for (int j = 0; j < kVecs; ++j) {
-        const int64_t c = col + (v0 + j) * kWidth;
-        if (c >= N) break;
-        const int64_t n = std::min<int64_t>(kWidth, N - c);
-        const float* a = acc + (r * kVecs + j) * kWidth;
-        for (int64_t i = 0; i < n; ++i) y[r * N + c + i] = a[i] + (b ? b[c + i] : 0.f);
-      }
   }
+  for (int64_t r = 0; r < M; ++r)
+    for (int64_t c = col; c < std::min(N, col + kPanel); ++c) y[r * N + c] = acc[r * kPanel + c - col] + (b ? b[c] : 0.f);
 }
 #else
 static void panel_rows(const float* x, const float* panel, const float* b, float* y, int64_t M, int64_t K,
