@@ -72,3 +72,21 @@ def test_a_new_process_hits_the_cache(cache):
     outs = [r.stdout.strip().splitlines()[-1] for r in runs]
     assert outs[0].startswith("False") and outs[1].startswith("True"), [r.stderr[-2000:] for r in runs]
     assert outs[0].split(" ", 1)[1] == outs[1].split(" ", 1)[1]
+
+
+def test_the_sources_digest_covers_the_code_not_the_tests_or_benchmarks(monkeypatch, tmp_path):
+    """A change to a pass, the runtime or a C++ kernel is a miss; a new benchmark or test is not (it would
+    cost every machine a fresh capture and code generation for nothing)."""
+    for folder in (*graph_cache.CODE_DIRS, "tests", "benchmarks"):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "a.py").write_text("x = 1\n")
+    (tmp_path / "kernels" / "k.cpp").write_text("int x;\n")
+    monkeypatch.setattr(graph_cache, "_PACKAGE", tmp_path)
+    before = graph_cache._sources_digest()
+    (tmp_path / "benchmarks" / "a.py").write_text("x = 2\n")
+    (tmp_path / "tests" / "b.py").write_text("y = 1\n")
+    assert graph_cache._sources_digest() == before
+    for changed in ("kernels/k.cpp", "passes/a.py", "runtime/a.py"):
+        (tmp_path / changed).write_text("changed\n")
+        assert graph_cache._sources_digest() != before
+        before = graph_cache._sources_digest()
