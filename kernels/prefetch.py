@@ -8,14 +8,15 @@ left the C++ linears short of the memory's bandwidth on an Intel Xeon (2 threads
 * the quantized kernel (``cpu_quant_linear.cpp``), which streams 4 weight rows at once: int8, 1 row,
   5.0 ms at the 2 KiB it used to prefetch ahead, 3.6 at 8 KiB, 3.7 at 16 KiB.
 The best distance is the machine's (its memory latency, bandwidth and prefetchers), so each is
-chosen by timing the model's own weights at build, the distances interleaved over rounds so that load
-swings hit all of them, and kept per machine beside the step plan (``compiler/step_plan.py``). The
+chosen by timing the model's own weights at build, each distance against none in the same round (the
+median ratio over rounds, so that a load swing does not pick a distance), and kept per machine beside the step plan (``compiler/step_plan.py``). The
 settings are process-wide, like the machine they describe. A prefetch changes no arithmetic: every
 result is bitwise the same at any distance.
 """
 from __future__ import annotations
 
 import contextlib
+import statistics
 import time
 from typing import Callable
 
@@ -26,30 +27,41 @@ PANEL_DISTANCES = (0, 8, 16, 32)  # panel rows of k ahead (0: no prefetch)
 QUANT_DISTANCES = (1024, 2048, 4096, 8192, 16384)  # bytes ahead of each weight row's stream
 
 
-def _best_seconds(set_distance: Callable[[int], None], run: Callable[[int], None], distances, repeats: int):
-    """{(distance, rows): the fastest of ``repeats`` passes of ``run(rows)``}, after one warm-up round."""
-    best = {(d, rows): float("inf") for d in distances for rows in ROWS}
+def _timings(set_distance: Callable[[int], None], run: Callable[[int], None], distances, repeats: int):
+    """{(distance, rows): [seconds of ``run(rows)`` per round]} over ``repeats`` rounds after a warm-up one.
+    Within a round each row count runs at every distance back to back, the order reversed every other round."""
+    times = {(d, rows): [] for d in distances for rows in ROWS}
     with torch.no_grad():
         for round_ in range(repeats + 1):
-            for d, rows in best:
-                set_distance(d)
-                t0 = time.perf_counter()
-                run(rows)
-                if round_ > 0:
-                    best[d, rows] = min(best[d, rows], time.perf_counter() - t0)
-    return best
+            for rows in ROWS:
+                for d in distances if round_ % 2 else distances[::-1]:
+                    set_distance(d)
+                    t0 = time.perf_counter()
+                    run(rows)
+                    if round_ > 0:
+                        times[d, rows].append(time.perf_counter() - t0)
+    return times
 
 
-def _table(best, distances, unit: str) -> str:
-    return "; ".join(f"{rows} row{'s' if rows > 1 else ''} " + "/".join(f"{best[d, rows] * 1e3:.1f}" for d in distances)
-                     for rows in ROWS) + f" ms at {'/'.join(map(str, distances))} {unit} ahead"
+def _relative(times, d: int, base: int, rows: int) -> float:
+    """Distance ``d``'s time over ``base``'s at ``rows`` rows: the median over rounds of the two measured in the
+    same round. (A load swing lasting longer than a round once made the fastest-of-3 time choose a distance
+    10% slower than none: on an AMD EPYC with AVX2, 1 row measured 20.9 ms with no prefetch and 16.3 at 32 rows
+    ahead in a noisy minute, where quiet runs read 20.9 and 23.0.)"""
+    return statistics.median(t / b for t, b in zip(times[d, rows], times[base, rows]))
 
 
-def choose_panel_prefetch(weights: list[torch.Tensor], repeats: int = 3) -> tuple[tuple[int, int], str]:
+def _table(times, distances, unit: str) -> str:
+    return "; ".join(f"{rows} row{'s' if rows > 1 else ''} " + "/".join(
+        f"{statistics.median(times[d, rows]) * 1e3:.1f}" for d in distances) for rows in ROWS) + \
+        f" ms (medians) at {'/'.join(map(str, distances))} {unit} ahead"
+
+
+def choose_panel_prefetch(weights: list[torch.Tensor], repeats: int = 5) -> tuple[tuple[int, int], str]:
     """Set the panel kernel's distances (``set_panel_prefetch``) from timings over ``weights`` (the model's
-    float32 ``[N, K]`` linear weights): for calls of 1 row the fastest of :data:`PANEL_DISTANCES` where it
-    beats none by 3%, else none; for more rows the fastest over 4 and 8 rows together. Returns the pair
-    and a line saying what was measured."""
+    float32 ``[N, K]`` linear weights), each distance against none in the same round (:func:`_relative`):
+    for calls of 1 row the fastest of :data:`PANEL_DISTANCES` where it beats none by 3%, else none; for more
+    rows the fastest over 4 and 8 rows together. Returns the pair and a line saying what was measured."""
     from . import cpu_kernels
     from .panel_linear import packed
 
@@ -65,23 +77,24 @@ def choose_panel_prefetch(weights: list[torch.Tensor], repeats: int = 3) -> tupl
 
     previous = module.set_panel_prefetch(0, 0)
     try:
-        best = _best_seconds(lambda d: module.set_panel_prefetch(d, d), run, PANEL_DISTANCES, repeats)
+        times = _timings(lambda d: module.set_panel_prefetch(d, d), run, PANEL_DISTANCES, repeats)
     finally:
         module.set_panel_prefetch(*previous)
-    single = min(PANEL_DISTANCES, key=lambda d: best[d, 1])
-    if best[single, 1] > 0.97 * best[0, 1]:
+    single = min(PANEL_DISTANCES, key=lambda d: _relative(times, d, 0, 1))
+    if _relative(times, single, 0, 1) > 0.97:
         single = 0
-    multi = min(PANEL_DISTANCES, key=lambda d: sum(best[d, rows] for rows in ROWS if rows > 1))
+    multi = min(PANEL_DISTANCES, key=lambda d: sum(_relative(times, d, 0, rows) for rows in ROWS if rows > 1))
     module.set_panel_prefetch(single, multi)
-    return (single, multi), (f"panel linears: {_table(best, PANEL_DISTANCES, 'panel rows')} -> {single} ahead "
+    return (single, multi), (f"panel linears: {_table(times, PANEL_DISTANCES, 'panel rows')} -> {single} ahead "
                              f"for 1 row, {multi} for more")
 
 
 def choose_quant_prefetch(linears: list[tuple[torch.Tensor, torch.Tensor | None, str]],
-                          repeats: int = 3) -> tuple[int, str]:
+                          repeats: int = 5) -> tuple[int, str]:
     """Set the quantized kernel's distance (``set_quant_prefetch``) from timings over ``linears`` (the
     model's quantized weights as ``(weight, scales, scheme)``): the fastest of :data:`QUANT_DISTANCES`
-    over every row count together. Returns it and a line saying what was measured."""
+    over every row count together, each against the shortest in the same round (:func:`_relative`).
+    Returns it and a line saying what was measured."""
     from . import cpu_kernels
 
     module = cpu_kernels.load()
@@ -98,12 +111,12 @@ def choose_quant_prefetch(linears: list[tuple[torch.Tensor, torch.Tensor | None,
 
     previous = module.set_quant_prefetch(QUANT_DISTANCES[0])
     try:
-        best = _best_seconds(module.set_quant_prefetch, run, QUANT_DISTANCES, repeats)
+        times = _timings(module.set_quant_prefetch, run, QUANT_DISTANCES, repeats)
     finally:
         module.set_quant_prefetch(previous)
-    ahead = min(QUANT_DISTANCES, key=lambda d: sum(best[d, rows] for rows in ROWS))
+    ahead = min(QUANT_DISTANCES, key=lambda d: sum(_relative(times, d, QUANT_DISTANCES[0], rows) for rows in ROWS))
     module.set_quant_prefetch(ahead)
-    return ahead, f"quantized linears: {_table(best, QUANT_DISTANCES, 'bytes')} -> {ahead} bytes ahead"
+    return ahead, f"quantized linears: {_table(times, QUANT_DISTANCES, 'bytes')} -> {ahead} bytes ahead"
 
 
 def _current_quant_distance(module) -> int:

@@ -24,6 +24,23 @@ def test_the_panel_kernel_distances_are_chosen_by_timing_and_set(module):
     assert prefetch.choose_panel_prefetch([])[0] == (0, 0)
 
 
+def test_a_distance_wins_by_its_time_against_none_in_the_same_round_not_by_one_quiet_moment(module, monkeypatch):
+    """Scripted rounds: 32 rows ahead is 10% slower than none in four rounds of five, and once ran in a quiet
+    moment (16.3 ms against none's 21 in a busy one). The fastest-of-rounds time would pick it; the median of
+    same-round ratios keeps none for 1 row, and picks 16 for more rows, which is faster in every round."""
+    def scripted(set_distance, run, distances, repeats):
+        times = {(d, rows): [0.021] * 5 for d in distances for rows in prefetch.ROWS}
+        times[32, 1] = [0.0163] + [0.023] * 4
+        for rows in (4, 8):
+            times[16, rows] = [0.020] * 5
+        return times
+
+    monkeypatch.setattr(prefetch, "_timings", scripted)
+    (single, multi), line = prefetch.choose_panel_prefetch([torch.randn(64, 64)])
+    assert (single, multi) == (0, 16) and "-> 0 ahead for 1 row, 16 for more" in line
+    assert "1 row 21.0/21.0/21.0/23.0" in line  # medians
+
+
 def test_the_quantized_kernel_distance_is_chosen_by_timing_and_set(module):
     linears = [(*quantize_weight(torch.randn(96, 64), scheme), scheme) for scheme in ("int8", "int4", "fp8")]
     ahead, line = prefetch.choose_quant_prefetch(linears, repeats=1)
