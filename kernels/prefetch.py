@@ -45,10 +45,22 @@ def _timings(set_distance: Callable[[int], None], run: Callable[[int], None], di
 
 def _relative(times, d: int, base: int, rows: int) -> float:
     """Distance ``d``'s time over ``base``'s at ``rows`` rows: the median over rounds of the two measured in the
-    same round. (A load swing lasting longer than a round once made the fastest-of-3 time choose a distance
-    10% slower than none: on an AMD EPYC with AVX2, 1 row measured 20.9 ms with no prefetch and 16.3 at 32 rows
-    ahead in a noisy minute, where quiet runs read 20.9 and 23.0.)"""
+    same round, so that a load swing lasting longer than a round does not decide (the fastest-of-3 times once
+    did: on an AMD EPYC with AVX2, 1 row measured 20.9 ms with no prefetch and 16.3 at 32 rows ahead in a
+    noisy minute)."""
     return statistics.median(t / b for t, b in zip(times[d, rows], times[base, rows]))
+
+
+def _clearly_faster(times, d: int, base: int, row_counts, margin: float = 0.03) -> bool:
+    """Whether distance ``d`` beat ``base`` at each of ``row_counts``: by ``margin`` in the median same-round
+    ratio, and in at least 4 rounds of 5. (A distance that wins only some rounds is noise; none cannot hurt much.
+    On an AMD EPYC with AVX2 one build measured 32 rows ahead 9% faster than none for 1 row, where decoding
+    in the Engine then ran 11% slower with it: 43.5 against 48.5 tok/s, interleaved in one process.)"""
+    for rows in row_counts:
+        ratios = [t / b for t, b in zip(times[d, rows], times[base, rows])]
+        if statistics.median(ratios) > 1 - margin or sum(r < 1 for r in ratios) < 0.8 * len(ratios):
+            return False
+    return True
 
 
 def _table(times, distances, unit: str) -> str:
@@ -60,8 +72,9 @@ def _table(times, distances, unit: str) -> str:
 def choose_panel_prefetch(weights: list[torch.Tensor], repeats: int = 5) -> tuple[tuple[int, int], str]:
     """Set the panel kernel's distances (``set_panel_prefetch``) from timings over ``weights`` (the model's
     float32 ``[N, K]`` linear weights), each distance against none in the same round (:func:`_relative`):
-    for calls of 1 row the fastest of :data:`PANEL_DISTANCES` where it beats none by 3%, else none; for more
-    rows the fastest over 4 and 8 rows together. Returns the pair and a line saying what was measured."""
+    for calls of 1 row the fastest of :data:`PANEL_DISTANCES`, for more rows the fastest over 4 and 8 rows
+    together, each only where it is clearly faster than none (:func:`_clearly_faster`), else none. Returns
+    the pair and a line saying what was measured."""
     from . import cpu_kernels
     from .panel_linear import packed
 
@@ -80,10 +93,11 @@ def choose_panel_prefetch(weights: list[torch.Tensor], repeats: int = 5) -> tupl
         times = _timings(lambda d: module.set_panel_prefetch(d, d), run, PANEL_DISTANCES, repeats)
     finally:
         module.set_panel_prefetch(*previous)
+    many = [rows for rows in ROWS if rows > 1]
     single = min(PANEL_DISTANCES, key=lambda d: _relative(times, d, 0, 1))
-    if _relative(times, single, 0, 1) > 0.97:
-        single = 0
-    multi = min(PANEL_DISTANCES, key=lambda d: sum(_relative(times, d, 0, rows) for rows in ROWS if rows > 1))
+    single = single if _clearly_faster(times, single, 0, [1]) else 0
+    multi = min(PANEL_DISTANCES, key=lambda d: sum(_relative(times, d, 0, rows) for rows in many))
+    multi = multi if _clearly_faster(times, multi, 0, many) else 0
     module.set_panel_prefetch(single, multi)
     return (single, multi), (f"panel linears: {_table(times, PANEL_DISTANCES, 'panel rows')} -> {single} ahead "
                              f"for 1 row, {multi} for more")
