@@ -27,7 +27,8 @@ from common import cpu_description  # noqa: E402
 
 KERNELS = Path(__file__).resolve().parents[1] / "kernels"
 HIDDEN, INTER, KV, VOCAB, LAYERS = 576, 1536, 192, 49152, 30
-SHAPES = [(HIDDEN + 2 * KV, HIDDEN), (HIDDEN, HIDDEN), (2 * INTER, HIDDEN), (HIDDEN, INTER)] * LAYERS + [(VOCAB, HIDDEN)]
+LAYER = [(HIDDEN + 2 * KV, HIDDEN), (HIDDEN, HIDDEN), (2 * INTER, HIDDEN), (HIDDEN, INTER)]  # qkv, o, gate_up, down
+SHAPES = LAYER * LAYERS + [(VOCAB, HIDDEN)]
 
 
 def build(name: str, source: Path):

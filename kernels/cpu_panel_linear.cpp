@@ -124,7 +124,8 @@ static void panel_rows(const float* x, const float* panel, const float* b, float
     }
   }
   for (int64_t r = 0; r < M; ++r)
-    for (int64_t c = col; c < std::min(N, col + kPanel); ++c) y[r * N + c] = acc[r * kPanel + c - col] + (b ? b[c] : 0.f);
+    for (int64_t c = col; c < std::min(N, col + kPanel); ++c)
+      y[r * N + c] = acc[r * kPanel + c - col] + (b ? b[c] : 0.f);
 }
 #else
 static void panel_rows(const float* x, const float* panel, const float* b, float* y, int64_t M, int64_t K,
