@@ -44,12 +44,16 @@ def _timings(set_distance: Callable[[int], None], run: Callable[[int], None], di
     return times
 
 
+def _ratios(times, d: int, base: int, rows: int) -> list[float]:
+    """Distance ``d``'s time over ``base``'s at ``rows`` rows, per round (the two measured in the same round)."""
+    return [t / b for t, b in zip(times[d, rows], times[base, rows])]
+
+
 def _relative(times, d: int, base: int, rows: int) -> float:
-    """Distance ``d``'s time over ``base``'s at ``rows`` rows: the median over rounds of the two measured in the
-    same round, so that a load swing lasting longer than a round does not decide (the fastest-of-3 times once
-    did: on an AMD EPYC with AVX2, 1 row measured 20.9 ms with no prefetch and 16.3 at 32 rows ahead in a
-    noisy minute)."""
-    return statistics.median(t / b for t, b in zip(times[d, rows], times[base, rows]))
+    """The median of :func:`_ratios`, so that a load swing lasting longer than a round does not decide (the
+    fastest-of-3 times once did: on an AMD EPYC with AVX2, 1 row measured 20.9 ms with no prefetch and 16.3 at
+    32 rows ahead in a noisy minute)."""
+    return statistics.median(_ratios(times, d, base, rows))
 
 
 def _clearly_faster(times, d: int, base: int, row_counts, margin: float = 0.03) -> bool:
@@ -58,7 +62,7 @@ def _clearly_faster(times, d: int, base: int, row_counts, margin: float = 0.03) 
     On an AMD EPYC with AVX2 one build measured 32 rows ahead 9% faster than none for 1 row, where decoding
     in the Engine then ran 11% slower with it: 43.5 against 48.5 tok/s, interleaved in one process.)"""
     for rows in row_counts:
-        ratios = [t / b for t, b in zip(times[d, rows], times[base, rows])]
+        ratios = _ratios(times, d, base, rows)
         if statistics.median(ratios) > 1 - margin or sum(r < 1 for r in ratios) < 0.8 * len(ratios):
             return False
     return True
