@@ -54,6 +54,7 @@ from pathlib import Path
 
 import torch
 
+from .build_lock import exclusive_build
 from .cache_write import check_cache_write_args, check_token_args
 from .paged_attention import check_attention_args, check_stream_args, check_variant
 from .hot_cold import mixed_layout
@@ -82,23 +83,28 @@ def load():
     with _lock:
         if _module is None and _error is None:
             try:
-                from torch.utils.cpp_extension import load_inline
-
-                _module = load_inline(
-                    name=_EXTENSION, cpp_sources=[CPP_SOURCE],
-                    functions=["paged_attention_short", "paged_attention_quant_short", "quant_attention_applies",
-                               "paged_attention_mixed_short",
-                               "quant_cache_write_cpu", "quant_cache_write_applies", "cache_write_rows", "quant_linear_cpu",
-                               "quant_linear_applies", "set_bf16_dots", "set_panel_prefetch", "set_quant_prefetch",
-                               "bf16_dot_available"],
-                    extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"], extra_ldflags=["-fopenmp"],
-                    verbose=False)
+                with exclusive_build(build_directory()):
+                    _module = _build()
                 _register_native_fakes()
             except Exception as e:  # no compiler, no ninja, ...: the torch path still works
                 _error = f"{type(e).__name__}: {e}"
                 warnings.warn(f"specgraph: the C++ CPU attention kernel could not be built, using the torch path "
                               f"({_error.splitlines()[0]})", stacklevel=2)
         return _module
+
+
+def _build():
+    """torch's ``load_inline`` of the kernels: a build, or the load of the build cached on disk."""
+    from torch.utils.cpp_extension import load_inline
+
+    return load_inline(
+        name=_EXTENSION, cpp_sources=[CPP_SOURCE],
+        functions=["paged_attention_short", "paged_attention_quant_short", "quant_attention_applies",
+                   "paged_attention_mixed_short", "quant_cache_write_cpu", "quant_cache_write_applies",
+                   "cache_write_rows", "quant_linear_cpu", "quant_linear_applies", "set_bf16_dots",
+                   "set_panel_prefetch", "set_quant_prefetch", "bf16_dot_available"],
+        extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"], extra_ldflags=["-fopenmp"],
+        verbose=False)
 
 
 def _register_native_fakes() -> None:
@@ -142,17 +148,22 @@ def native_op(name: str):
     return getattr(torch.ops.specgraph_cpu, name).default
 
 
+def build_directory() -> str:
+    """Where torch builds and caches the extension (``TORCH_EXTENSIONS_DIR`` or its default; created if missing)."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    return _get_build_directory(_EXTENSION, verbose=False)
+
+
 def build_now() -> None:
     """Build (or load the cached build of) the kernel, saying so on stderr when it is a real build."""
     if _module is not None or _error is not None:
         return
     import os
     import sys
-    import time
 
-    from torch.utils.cpp_extension import _get_build_directory
-
-    cached = os.path.isdir(_get_build_directory(_EXTENSION, verbose=False))
+    # (the directory itself is made by the first look at it: a built library says whether a build is cached)
+    cached = any(f.startswith(_EXTENSION) and f.endswith(".so") for f in os.listdir(build_directory()))
     t0 = time.perf_counter()
     if not cached:
         print("specgraph: building the C++ CPU kernels (once per machine, 20-60 s)...",
