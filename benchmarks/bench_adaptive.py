@@ -5,6 +5,7 @@
     python benchmarks/bench_adaptive.py --prompt-set tuning   # the prompts the controller was checked on
     python benchmarks/bench_adaptive.py --quick               # smoke test: 24 tokens, ngram only, k in {2, 4}
     python benchmarks/bench_adaptive.py --device cuda --proposers ngram --ks 2,4 --profile   # run V (H100)
+    python benchmarks/bench_adaptive.py ... --time-budget 480 --json r.json   # within a lease; a report per round
 
 Classes: {code, chat} x {batch 1, batch 4} x {greedy, temperature 0.8}; every class runs 4
 prompts (batch 1: one after another; batch 4: one ``generate`` of all 4), ``--new-tokens`` each
@@ -58,7 +59,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import chat_prompt_ids, cpu_description, fmt, format_table, load_average, log, print_report, quiet_torch  # noqa: E402
+from common import (chat_prompt_ids, cpu_description, elapsed, fmt, format_table, load_average, log,  # noqa: E402
+                    print_report, quiet_torch, write_json)
 from prompts import (CHAT_PROMPTS, CODE_PROMPTS, HELDOUT_CHAT_PROMPTS, HELDOUT_CODE_PROMPTS, REPLAY_CHAT_PROMPTS,  # noqa: E402
                      REPLAY_CODE_PROMPTS, WARMUP_PROMPT)
 
@@ -80,6 +82,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--json", default=None, metavar="PATH")
     p.add_argument("--profile", action="store_true", help="then cProfile one code prompt per setting (host time)")
     p.add_argument("--device", default="cpu", help="where the model runs (cuda: the inductor lowering's CUDA graphs)")
+    p.add_argument("--time-budget", type=float, default=None, metavar="S",
+                   help="start no round that would end past S seconds from the start (a lent GPU's lease; the "
+                        "last round's time is the estimate) and report the rounds done; with --json the report "
+                        "is also written after every round, so a run stopped from outside leaves one")
     args = p.parse_args(argv)
     args.new_tokens = args.new_tokens or (24 if args.quick else 64)
     args.proposers = (args.proposers or ("ngram" if args.quick else "ngram,layer_skip:8")).split(",")
@@ -240,8 +246,13 @@ def main(argv=None) -> int:
 
     classes = [(g, b, t) for g in groups for b in BATCHES for t in TEMPERATURES]
     runs_of: dict[tuple, dict[str, list[list[dict]]]] = {}  # class -> setting -> unit -> its run in each round
-    turn, t_start = 0, time.perf_counter()
-    for rnd in range(args.repeats):
+    turn, t_start, rounds = 0, time.perf_counter(), 0
+    while rounds < args.repeats:
+        per_round = (time.perf_counter() - t_start) / rounds if rounds else 0.0
+        if args.time_budget and rounds and elapsed() + per_round > args.time_budget:
+            log(f"stopping after {rounds} round(s): another ({per_round:.0f} s) would end past the "
+                f"{args.time_budget:.0f} s budget")
+            break
         for c in classes:
             g, b, t = c
             units = [groups[g][i:i + b] for i in range(0, len(groups[g]), b)]
@@ -254,9 +265,23 @@ def main(argv=None) -> int:
                     r = run_unit(engines[name], adaptive, k, tree, cap, prompts, t, args.new_tokens, seed=u,
                                  served=served.get(name))
                     runs_of.setdefault(c, {}).setdefault(label, [[] for _ in units])[u].append(r)
-            log(f"round {rnd} {g} b{b} t{t} ({time.perf_counter() - t_start:.0f} s): " + ", ".join(
+            log(f"round {rounds} {g} b{b} t{t} ({time.perf_counter() - t_start:.0f} s): " + ", ".join(
                 f"{label} {combine(runs_of[c][label])['tokens'] / combine(runs_of[c][label])['seconds']:.1f}"
                 for label, *_ in settings) + " tok/s so far")
+        rounds += 1
+        if args.json and rounds < args.repeats:  # what a run stopped from outside leaves
+            write_json(args.json, build_report(args, machine, settings, classes, runs_of, engines, build_s,
+                                               rounds)[1])
+    lines, report = build_report(args, machine, settings, classes, runs_of, engines, build_s, rounds)
+    print_report(lines, report, args.json)
+    if args.profile:
+        profile_host(engines, settings, groups["code"][:1], args.new_tokens, served)
+    return 1 if report["token_mismatches"] else 0
+
+
+def build_report(args, machine: str, settings: list[tuple], classes: list[tuple], runs_of: dict, engines: dict,
+                 build_s: dict, rounds: int) -> tuple[list[str], dict]:
+    """The printed report's lines and the JSON report, over the ``rounds`` complete rounds in ``runs_of``."""
     results = {c: {label: combine(runs) for label, runs in per.items()} for c, per in runs_of.items()}
 
     labels = [s[0] for s in settings]
@@ -269,7 +294,7 @@ def main(argv=None) -> int:
         mix_seconds = sum(results[c][label]["seconds"] for c in classes)
         rows.append([label] + [fmt(rate(results[c][label]), ".1f") for c in classes] + [fmt(mix_tokens / mix_seconds, ".1f")])
     lines = [f"# bench_adaptive: {machine}", f"# {args.prompt_set} prompts, {args.new_tokens} new tokens "
-             f"per prompt, {PROMPTS_PER_CLASS} prompts per class, best of {args.repeats} rounds, torch threads "
+             f"per prompt, {PROMPTS_PER_CLASS} prompts per class, best of {rounds} rounds, torch threads "
              f"{args.threads}, load {load_average()}",
              "", "tok/s per class (code/chat x batch x temperature) and over the whole mix", "",
              format_table(["setting"] + [col(c) for c in classes] + ["mix"], rows, right=set(range(1, len(classes) + 2)))]
@@ -290,7 +315,7 @@ def main(argv=None) -> int:
                             fmt(r["mean_draft"], ".2f"), fmt(r["tokens_per_forward"], ".2f")])
             against = {lab: paired_speedup(runs_of[c][a], runs_of[c][lab]) for lab in fixed}  # every proposer's
             worst = min(against, key=lambda lab: against[lab][0])
-            held_out = held_out_best_speedup(seconds_of(runs_of[c]), a, fixed) if args.repeats > 1 else None
+            held_out = held_out_best_speedup(seconds_of(runs_of[c]), a, fixed) if rounds > 1 else None
             paired.append([a, col(c), fmt_interval(against[best]), fmt_interval(held_out) if held_out else "",
                            f"{worst}: {fmt_interval(against[worst])}",
                            fmt_interval(against["none"]), fmt_interval(against[f"{p} off"])])
@@ -302,7 +327,7 @@ def main(argv=None) -> int:
                             "mean k", "tok/forward"], summary, right={3, 4, 5, 6, 7, 8}),
               "", f"paired: adaptive's speed over a fixed setting, the geometric mean over (unit, round) of their "
               f"seconds' ratio in the same unit and round, with a 90% bootstrap interval over those "
-              f"{args.repeats * PROMPTS_PER_CLASS} pairs per class; \"held out\": against the best fixed setting "
+              f"{rounds * PROMPTS_PER_CLASS} pairs per class; \"held out\": against the best fixed setting "
               f"chosen on the other rounds", "",
               format_table(["setting", "class", "vs best fixed", "held out", "worst fixed", "vs none", "vs off"],
                            paired, right={2, 3, 5, 6})]
@@ -319,14 +344,11 @@ def main(argv=None) -> int:
     lines.append("engine build s: " + ", ".join(f"{k} {v:.0f}" for k, v in build_s.items()))
     lines.append("host share of step time (outside the target's forward), mean over the classes: " + ", ".join(
         f"{label} {sum(results[c][label]['host_share'] for c in classes) / len(classes):.0%}" for label in labels))
-    report = dict(config=vars(args), cpu=machine, classes=[col(c) for c in classes],
+    report = dict(config=vars(args), cpu=machine, rounds=rounds, classes=[col(c) for c in classes],
                   results={col(c): {lab: {k: v for k, v in r.items() if k != "outputs"} for lab, r in results[c].items()}
                            for c in classes}, token_mismatches=mismatches,
                   seconds={col(c): seconds_of(per) for c, per in runs_of.items()})
-    print_report(lines, report, args.json)
-    if args.profile:
-        profile_host(engines, settings, groups["code"][:1], args.new_tokens, served)
-    return 1 if mismatches else 0
+    return lines, report
 
 
 def profile_host(engines, settings, prompts: list[list[int]], n: int, served: dict, top: int = 15) -> None:

@@ -231,14 +231,25 @@ def print_report(lines: list[str], report: dict, json_path: str | None) -> None:
     """Print the benchmark's text report; with ``json_path``, also save ``report`` there as JSON."""
     print("\n".join(lines), flush=True)
     if json_path:
-        with open(json_path, "w") as f:
-            json.dump(report, f, indent=1, default=str)
+        write_json(json_path, report)
         print(f"\nresults saved to {json_path}")
 
 
+def write_json(path: str, report: dict) -> None:
+    """Save a benchmark's ``report`` as JSON (a file replaced whole: one stopped midway leaves the last)."""
+    with open(path + ".part", "w") as f:
+        json.dump(report, f, indent=1, default=str)
+    os.replace(path + ".part", path)
+
+
 def log(msg: str) -> None:
-    """Progress on stderr (the results go to stdout)."""
-    print(f"[{time.perf_counter() - _T0:7.1f}s] {msg}", file=sys.stderr, flush=True)
+    """Progress on stderr (the results go to stdout), stamped with :func:`elapsed`."""
+    print(f"[{elapsed():7.1f}s] {msg}", file=sys.stderr, flush=True)
+
+
+def elapsed() -> float:
+    """Seconds since this module was imported (about the process's start)."""
+    return time.perf_counter() - _T0
 
 
 def load_average() -> str:
