@@ -27,10 +27,11 @@ import json
 import math
 import random
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import chat_prompt_ids, fmt, format_table  # noqa: E402
+from common import chat_prompt_ids, cpu_description, fmt, format_table  # noqa: E402
 from prompts import CHAT_PROMPTS, CODE_PROMPTS, REPLAY_CHAT_PROMPTS, REPLAY_CODE_PROMPTS  # noqa: E402
 
 
@@ -82,14 +83,17 @@ class Machine:
 
 def replay(records: list[dict], batch: int, policy, buckets: dict[int, float], max_drafts: int, new_tokens: int,
            drain: bool, noise: float, pauses: float, slow: float = 0.0, slow_factor: float = 1.0,
-           period: float = 60.0, table_noise: float = 0.0, seed: int = 0) -> float:
+           period: float = 60.0, table_noise: float = 0.0, seed: int = 0, host: list | None = None) -> float:
     """Tokens per modelled second of one class under ``policy`` ("none", a fixed k, or "adaptive").
 
     The engine's own :class:`~specgraph.runtime.drafting.Speculation` drafts (n-gram lookup, cache slots
     reserved and given back in a real :class:`KVCacheManager`), so the controller sees exactly the calls
     a generation makes; only the target is replaced: a draft keeps its match with the recorded tokens,
     and a forward costs its modelled seconds. One Speculation serves the class's batches, its acceptance
-    forgotten before each (as bench_adaptive does), its cost table measured once."""
+    forgotten before each (as bench_adaptive does), its cost table measured once. ``host``: given a list,
+    the real seconds spent in the Speculation's calls (drafting, the controller, its observations) and the
+    number of steps are appended to it: that host work is not in the modelled rate, and on a GPU, where a
+    step takes 2-4 ms, it is part of the step."""
     from specgraph.runtime.forward_cost import ForwardCost, cost_sizes
     from specgraph.runtime.drafting import Speculation
     from specgraph.runtime.kv_manager import KVCacheManager
@@ -111,7 +115,8 @@ def replay(records: list[dict], batch: int, policy, buckets: dict[int, float], m
     if policy != "none":
         spec = Speculation(NgramProposer(), max_drafts if policy == "adaptive" else policy, policy == "adaptive",
                            kv, lambda copies: None, measure)
-    seconds = tokens = 0.0
+    seconds = tokens = host_s = 0.0
+    steps = 0
     for start in range(0, len(records), batch):
         group = records[start:start + batch]
         requests = [Request(start + i, list(r["prompt"]), new_tokens, SamplingParams(temperature=r["temp"]))
@@ -127,7 +132,9 @@ def replay(records: list[dict], batch: int, policy, buckets: dict[int, float], m
             for r in live:  # the last token is fed this step
                 kv.allocate(r.request_id, 1)
             chunks = [ScheduledChunk(r, len(r.all_ids) - 1, 1) for r in live]
+            t0 = time.perf_counter()
             drafts = spec.draft(chunks, draining=drain) if spec is not None else {}
+            host_s, steps = host_s + time.perf_counter() - t0, steps + 1
             stream = 0
             for r in live:
                 d = drafts.get(r.request_id)
@@ -142,16 +149,23 @@ def replay(records: list[dict], batch: int, policy, buckets: dict[int, float], m
                 stream += 1 + len(proposed)
                 done = len(r.output_ids) >= new_tokens
                 if spec is not None:
+                    t0 = time.perf_counter()
                     spec.observe_decode(r, d, list(range(1, accepted + 1)))
                     if done:
                         spec.forget(r)
+                    host_s += time.perf_counter() - t0
                 if done:
                     kv.free(r.request_id)
             cost = step_cost(buckets, stream) * machine.step()
             seconds += cost
             if spec is not None:
-                spec.observe_forward(stream, cost * math.exp(rng.gauss(0.0, noise)) * (2.5 if rng.random() < pauses else 1.0))
+                observed = cost * math.exp(rng.gauss(0.0, noise)) * (2.5 if rng.random() < pauses else 1.0)
+                t0 = time.perf_counter()
+                spec.observe_forward(stream, observed)
+                host_s += time.perf_counter() - t0
         tokens += sum(len(r.output_ids) for r in requests)
+    if host is not None:
+        host.append((host_s, steps))
     return tokens / seconds
 
 
@@ -179,7 +193,7 @@ def main(argv=None) -> int:
     buckets = {int(b): float(ms) / 1000 for b, ms in (x.split(":") for x in args.costs.split(","))}
     ks = [int(k) for k in args.ks.split(",")]
     columns = ["none"] + [f"k={k}" for k in ks] + ["adaptive (throughput)", "adaptive"]
-    rows = []
+    rows, host_rows = [], []
     for group in ("code", "chat"):
         for batch in (1, 4):
             for temp in (0.0, 0.8):
@@ -188,17 +202,24 @@ def main(argv=None) -> int:
                               pauses=args.pauses, slow=args.slow, slow_factor=args.slow_factor, period=args.period,
                               table_noise=args.table_noise)
 
-                def rate(policy, drain=False):
-                    return sum(replay(recs, batch, policy, drain=drain, seed=s, **common)
+                def rate(policy, drain=False, host=None):
+                    return sum(replay(recs, batch, policy, drain=drain, seed=s, host=host, **common)
                                for s in range(args.seeds)) / args.seeds
 
-                rates = [rate("none")] + [rate(k) for k in ks] + [rate("adaptive", d) for d in (False, True)]
+                host = {k: [] for k in ks + ["adaptive"]}
+                rates = ([rate("none")] + [rate(k, host=host[k]) for k in ks]
+                         + [rate("adaptive", d, host["adaptive"] if d else None) for d in (False, True)])
                 best = max(rates[:-2])
                 rows.append([f"{group} b{batch} t{temp}"] + [fmt(r) for r in rates]
                             + [fmt(rates[-1] / best, ".3f"), fmt(rates[-1] / rates[0], ".3f")])
+                per_step = {k: 1e6 * min(h / n for h, n in runs) for k, runs in host.items()}  # (the quietest seed)
+                host_rows.append([f"{group} b{batch} t{temp}"] + [fmt(per_step[k], ".0f") for k in host])
     print(f"# replay: costs {args.costs} ms, noise {args.noise}, pauses {args.pauses}, slow {args.slow} "
           f"x{args.slow_factor} for ~{args.period} steps, table noise {args.table_noise}, {args.new_tokens} tokens, {args.seeds} seeds")
     print(format_table(["class"] + columns + ["vs best fixed", "vs none"], rows))
+    print(f"\nhost us per step in the drafting and controller calls (real time on {cpu_description()}; not in the "
+          f"modelled rates above; none: 0; adaptive: the draining value's)")
+    print(format_table(["class"] + [f"k={k}" for k in ks] + ["adaptive"], host_rows))
     return 0
 
 

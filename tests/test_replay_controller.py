@@ -31,9 +31,12 @@ def test_plain_decoding_makes_a_token_per_forward_and_repeating_text_rewards_the
     common = dict(buckets=BUCKETS, max_drafts=4, new_tokens=48, noise=0.1, pauses=0.05)
     plain = replay(_records(True), batch, "none", drain=True, **common)
     assert plain == pytest.approx(batch / step_cost(BUCKETS, batch))
-    adaptive = replay(_records(True), batch, "adaptive", drain=True, **common)
+    host = []
+    adaptive = replay(_records(True), batch, "adaptive", drain=True, host=host, **common)
     fixed = replay(_records(True), batch, 4, drain=False, **common)
     assert adaptive > 1.5 * plain and fixed > 1.5 * plain
+    (seconds, steps), = host  # the real time of the drafting and controller calls, and the steps they served
+    assert 0 < seconds < 5 and 0 < steps < len(_records(True)) * 48
     # text that never repeats: no drafts (nothing matches), the same rate as plain decoding
     assert replay(_records(False), batch, "adaptive", drain=True, **common) == pytest.approx(
         replay(_records(False), batch, "none", drain=True, **common))
