@@ -8,7 +8,10 @@
 #   call 1 (carry .device/p1 .whl):  cp .device/p1/part00 /tmp/p1 && <setup>
 #   call 2 (carry .device/p2 .whl), within the machine's warm time:
 #     <setup>; cat /tmp/p1 .device/p2/part01 > /tmp/SmolLM2-135M-Instruct.Q4_1.gguf &&
-#     python3 benchmarks/bench_adaptive.py --device cuda --model /tmp/SmolLM2-135M-Instruct.Q4_1.gguf ...
+#     python3 benchmarks/bench_adaptive.py --device cuda --model /tmp/SmolLM2-135M-Instruct.Q4_1.gguf \
+#       --proposers ngram --ks 2,4 --time-budget 520 --json $OUT/x.json   (timeout_s 580)
+#   On an H100 (run Y) the two engines took 148 s and 130 s to build (four CUDA graph buckets) and a round of
+#   the mixed workload about 140 s: 15 minutes of device time hold both calls once, with two rounds.
 #   <setup>: python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl &&
 #            mkdir -p /tmp/sg && ln -sfn $PWD /tmp/sg/specgraph && export PYTHONPATH=/tmp/sg:/tmp/site
 set -euo pipefail
