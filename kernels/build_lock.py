@@ -51,14 +51,13 @@ def exclusive_build(build_directory: str) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def remove_stale_torch_lock(build_directory: str) -> bool:
+def remove_stale_torch_lock(build_directory: str) -> None:
     """Remove torch's ``lock`` file if present (call only while holding :func:`exclusive_build`'s lock: then
-    its builder is dead). Returns whether one was removed."""
+    its builder is dead), warning that names it."""
     path = os.path.join(build_directory, TORCH_LOCK)
     try:
         os.remove(path)
     except FileNotFoundError:
-        return False
+        return
     warnings.warn(f"specgraph: removed {path}, left by a build of the C++ CPU kernels that was killed; "
                   f"torch would have waited on it forever")
-    return True

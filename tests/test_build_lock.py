@@ -56,7 +56,8 @@ def test_a_live_build_in_another_process_is_waited_for_and_its_lock_kept(tmp_pat
         waiter.join(timeout=10)
         assert entered.is_set() and time.perf_counter() - t0 >= 0.5
     finally:
-        builder.wait(timeout=10)
+        returncode = builder.wait(timeout=10)
+    assert returncode == 0, "the live builder's lock file was removed under it"
     assert "waiting for another process that is building" in capfd.readouterr().err
 
 
