@@ -3,8 +3,8 @@
 // int4 weights: the activations are rounded per row and block of 32 columns to int8 codes (the
 // op's contract), and each block's product is an integer dot product: the nibbles unpacked to
 // bytes, AVX2 vpmaddubsw (unsigned codes x signed activations -> int16 pairs) + vpmaddwd (->
-// int32), 32 products in two instructions, then one float FMA by the block's scales; the
-// group's min turns into min_g * sum_g(x).
+// int32), 32 products in two instructions; four weight rows' products are summed as integers and
+// take one float FMA by the block's scales, their min terms (min_g * sum_g(x)) another (int4_tile).
 // int8 / fp8 / bfloat16 weights: widened to float in registers (int8 by two conversions, fp8
 // through float16 bits and F16C, bfloat16 by a shift) and multiplied by float activations.
 // bfloat16 weights on a CPU with native bf16 dot products (AVX512_BF16 vdpbf16ps), when the
@@ -17,7 +17,7 @@
 // (batch invariance: a decode and a verify of the same token agree bit for bit).
 //
 // Tiling: each thread owns a range of output channels; a tile is R rows of x by NB weight rows
-// (NB = 4 for one row of x, else 2), so each weight byte is loaded once per R rows (R up to 4).
+// (NB = 4 for one row of x and for int4, else 2), so each weight byte is loaded once per R rows (R up to 4).
 // Large row counts loop over chunks of weight rows that stay in L2 while every 4-row tile of x
 // passes over them. The weight streams are prefetched g_ahead bytes ahead (without it, weight rows
 // streamed at 15 GB/s instead of 19). Without AVX2 the same numbers come from scalar loops.
@@ -122,53 +122,103 @@ static inline __m256i load32(const void* p) { return _mm256_loadu_si256(reinterp
 
 inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
 
-// the 32 int4 codes of bytes p[0..15]: even columns in the low lane, odd ones in the high lane
+// the 32 int4 codes of bytes p[0..15]: even columns in the low lane, odd ones in the high lane (the
+// 16 bytes in both lanes, the high lane's 32-bit words shifted right by 4, then each byte masked)
 static inline __m256i unpack_int4(const uint8_t* p) {
-  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  const __m128i mask = _mm_set1_epi8(0x0F);
-  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask), _mm_and_si128(bytes, mask));
+  const __m256i both = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_and_si256(_mm256_srlv_epi32(both, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)), _mm256_set1_epi8(0x0F));
 }
 
-// y[r, n + j] for R rows of x and NB int4 weight rows from n: packed [N, K / 2], params [N, K / G, 2]
-// float16 (scale, min)
-template <int R, int NB>
+// The float16 (scale, min) pairs of group g of four int4 weight rows (rows[j]: row j's params),
+// as floats [scale_0..3, min_0..3]: each pair is one 32-bit load, one shuffle and one conversion
+// serve the four rows.
+static inline __m256 int4_params(const at::Half* const rows[4], int64_t g) {
+  int32_t pair[4];
+  for (int j = 0; j < 4; ++j) std::memcpy(&pair[j], rows[j] + 2 * g, 4);
+  const __m128i halves = _mm_setr_epi32(pair[0], pair[1], pair[2], pair[3]);  // [s0 m0 s1 m1 s2 m2 s3 m3]
+  return _mm256_cvtph_ps(
+      _mm_shuffle_epi8(halves, _mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15)));
+}
+
+// [sum(d0), sum(d1), sum(d2), sum(d3)] of four vectors of 8 int32 (exact: integer adds)
+static inline __m128i sum_lanes4(__m256i d0, __m256i d1, __m256i d2, __m256i d3) {
+  const __m256i a = _mm256_add_epi32(_mm256_unpacklo_epi32(d0, d1), _mm256_unpackhi_epi32(d0, d1));
+  const __m256i b = _mm256_add_epi32(_mm256_unpacklo_epi32(d2, d3), _mm256_unpackhi_epi32(d2, d3));
+  const __m256i s = _mm256_add_epi32(_mm256_unpacklo_epi64(a, b), _mm256_unpackhi_epi64(a, b));
+  return _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+}
+
+// y[r, n + j] for R rows of x and the int4 weight rows n .. n + valid - 1 (valid <= 4; the missing
+// rows of a short tile repeat the last one and are not stored): packed [N, K / 2], params
+// [N, K / G, 2] float16 (scale, min).
+// Each output accumulates, per block of 32 columns, its exact integer dot product d (the nibbles
+// times the activation codes: maddubs, madd, then the four rows' eight lanes summed as integers)
+// and the block's min term, in one 8-lane register per row of x: lanes 0-3 acc = fma(float(d),
+// sx * scale, acc), lanes 4-7 acc = fma(ssum, min, acc); the output is their sum plus the bias.
+// Every output gets the same float operations whichever lane, tile or call computes it (batch
+// invariance), and scalar_output below repeats them for the builds without AVX2. On an AMD EPYC
+// (AVX2, no AVX-512) the previous tile (one float FMA per 8 lanes per weight row, the float16 scales
+// converted one at a time, NB = 2 for several rows of x) bound the int4 linears by instructions, not
+// memory: SmolLM2's linears (the int8 LM head included) took 0.92x its time for one row of x and
+// 0.75-0.77x for 2 to 16 rows (benchmarks/ab_kernel.py --scheme int4 --differ).
+template <int R>
 static inline void int4_tile(const QuantizedRows& q, int64_t m0, const uint8_t* w, const at::Half* params,
-                             int64_t G, const float* b, float* y, int64_t K, int64_t N, int64_t n) {
+                             int64_t G, const float* b, float* y, int64_t K, int64_t N, int64_t n, int valid) {
   const int64_t KB = K / kBlock, NG = K / G, per_group = G / kBlock;
   const __m256i ones = _mm256_set1_epi16(1);
-  __m256 acc[R][NB];
-  float min_term[R][NB];
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < NB; ++j) acc[r][j] = _mm256_setzero_ps(), min_term[r][j] = 0.f;
+  const __m256 unit = _mm256_set1_ps(1.f);
+  const uint8_t* rows[4];
+  const at::Half* row_params[4];
+  for (int j = 0; j < 4; ++j) {
+    const int64_t row = n + std::min(j, valid - 1);
+    rows[j] = w + row * (K / 2);
+    row_params[j] = params + row * NG * 2;
+  }
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t g = 0; g < NG; ++g) {
-    float scale[NB], mn[NB];
-    for (int j = 0; j < NB; ++j) {
-      const at::Half* p = params + ((n + j) * NG + g) * 2;
-      scale[j] = _cvtsh_ss(p[0].x);
-      mn[j] = _cvtsh_ss(p[1].x);
-    }
+    const __m256 scale_min = int4_params(row_params, g);
     for (int64_t blk = g * per_group; blk < (g + 1) * per_group; ++blk) {
-      __m256i wv[NB];
-      for (int j = 0; j < NB; ++j) {
-        const uint8_t* p = w + (n + j) * (K / 2) + blk * (kBlock / 2);
+      __m256i wv[4];
+      for (int j = 0; j < 4; ++j) {
+        const uint8_t* p = rows[j] + blk * (kBlock / 2);
         wv[j] = unpack_int4(p);
         if ((blk & 3) == 0) prefetch(p + g_ahead);
       }
       for (int r = 0; r < R; ++r) {
         const __m256i xv = load32(q.codes.data() + (m0 + r) * K + blk * kBlock);
         const float sx = q.scale[(m0 + r) * KB + blk], ssum = q.scaled_sum[(m0 + r) * KB + blk];
-        for (int j = 0; j < NB; ++j) {
-          // codes <= 15 and |x| <= 127: each int16 pair sum is within range
-          const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(wv[j], xv), ones);
-          acc[r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(sx * scale[j]), acc[r][j]);
-          min_term[r][j] += mn[j] * ssum;
-        }
+        // codes <= 15 and |x| <= 127: each int16 pair sum is within range
+        __m256i d[4];
+        for (int j = 0; j < 4; ++j) d[j] = _mm256_madd_epi16(_mm256_maddubs_epi16(wv[j], xv), ones);
+        const __m128 dots = _mm_cvtepi32_ps(sum_lanes4(d[0], d[1], d[2], d[3]));  // exact (|d| < 2^16)
+        const __m256 terms = _mm256_insertf128_ps(_mm256_castps128_ps256(dots), _mm_set1_ps(ssum), 1);
+        const __m256 factors = _mm256_mul_ps(scale_min, _mm256_blend_ps(_mm256_set1_ps(sx), unit, 0xF0));
+        acc[r] = _mm256_fmadd_ps(terms, factors, acc[r]);
       }
     }
   }
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < NB; ++j)
-      y[(m0 + r) * N + n + j] = hsum8(acc[r][j]) + min_term[r][j] + (b ? b[n + j] : 0.f);
+  for (int r = 0; r < R; ++r) {
+    float out[4];
+    _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(acc[r]), _mm256_extractf128_ps(acc[r], 1)));
+    for (int j = 0; j < valid; ++j) y[(m0 + r) * N + n + j] = out[j] + (b ? b[n + j] : 0.f);
+  }
+}
+
+// every row of x in [m0, m1) against int4 weight rows [n0, n1): tiles of up to 4 rows of x by 4 weight rows
+static inline void int4_rows(const QuantizedRows& q, int64_t m0, int64_t m1, const uint8_t* w, const at::Half* params,
+                             int64_t G, const float* b, float* y, int64_t K, int64_t N, int64_t n0, int64_t n1) {
+  for (int64_t n = n0; n < n1; n += 4) {
+    const int valid = static_cast<int>(std::min<int64_t>(4, n1 - n));
+    for (int64_t m = m0; m < m1; m += 4) {
+      switch (std::min<int64_t>(4, m1 - m)) {
+        case 4: int4_tile<4>(q, m, w, params, G, b, y, K, N, n, valid); break;
+        case 3: int4_tile<3>(q, m, w, params, G, b, y, K, N, n, valid); break;
+        case 2: int4_tile<2>(q, m, w, params, G, b, y, K, N, n, valid); break;
+        case 1: int4_tile<1>(q, m, w, params, G, b, y, K, N, n, valid); break;
+      }
+    }
+  }
 }
 
 // 8 weights widened to float: bfloat16 by a shift; fp8 (e4m3) bits moved into float16 fields
@@ -310,22 +360,23 @@ struct Weights {
   int64_t G;
 };
 
-// Scalar path (no AVX2, and a range's odd last weight row): the same numbers, one output at a time.
+// Scalar path (no AVX2; and int8 / fp8 / bfloat16: a range's odd last weight row): the same
+// numbers, one output at a time (int4: int4_tile's float operations exactly).
 static float scalar_output(const Weights& wt, const float* x, const QuantizedRows& q, int64_t m, int64_t K,
                            int64_t n) {
   const int64_t KB = K / kBlock;
   if (wt.kind == Weights::kInt4) {
-    float out = 0.f;
+    float acc = 0.f, min_acc = 0.f;
     for (int64_t blk = 0; blk < KB; ++blk) {
       const int8_t* xc = q.codes.data() + m * K + blk * kBlock;  // even columns first
       const uint8_t* p = static_cast<const uint8_t*>(wt.data) + n * (K / 2) + blk * (kBlock / 2);
       int dot = 0;
       for (int64_t i = 0; i < kBlock / 2; ++i) dot += (p[i] & 0x0F) * xc[i] + (p[i] >> 4) * xc[kBlock / 2 + i];
       const at::Half* pg = wt.params + (n * (K / wt.G) + blk * kBlock / wt.G) * 2;
-      out += static_cast<float>(dot) * q.scale[m * KB + blk] * static_cast<float>(pg[0]) +
-             static_cast<float>(pg[1]) * q.scaled_sum[m * KB + blk];
+      acc = std::fma(static_cast<float>(dot), static_cast<float>(pg[0]) * q.scale[m * KB + blk], acc);
+      min_acc = std::fma(q.scaled_sum[m * KB + blk], static_cast<float>(pg[1]), min_acc);
     }
-    return out;
+    return acc + min_acc;
   }
   float out = 0.f;
   for (int64_t k = 0; k < K; ++k) {
@@ -345,8 +396,7 @@ static inline void tile(const Weights& wt, const float* x, const QuantizedRows& 
     case Weights::kInt8:
       widened_tile<Int8Weights, R, NB>(x, m0, static_cast<const int8_t*>(wt.data), wt.row_scale, 1.f, b, y, K, N, n);
       break;
-    case Weights::kInt4:
-      int4_tile<R, NB>(q, m0, static_cast<const uint8_t*>(wt.data), wt.params, wt.G, b, y, K, N, n);
+    case Weights::kInt4:  // (int4_rows)
       break;
     case Weights::kFp8:
       widened_tile<Fp8Weights, R, NB>(x, m0, static_cast<const uint8_t*>(wt.data), wt.row_scale, 256.f, b, y, K,
@@ -362,9 +412,11 @@ static inline void tile(const Weights& wt, const float* x, const QuantizedRows& 
   }
 }
 
-// every row of x against weight rows [n0, n1), NB = 2 at a time
+// every row of x against weight rows [n0, n1), NB = 2 at a time (int4: int4_rows)
 static void rows_range(const Weights& wt, const float* x, const QuantizedRows& q, int64_t m0, int64_t m1,
                        const float* b, float* y, int64_t K, int64_t N, int64_t n0, int64_t n1) {
+  if (wt.kind == Weights::kInt4)
+    return int4_rows(q, m0, m1, static_cast<const uint8_t*>(wt.data), wt.params, wt.G, b, y, K, N, n0, n1);
   int64_t n = n0;
   if (m1 - m0 == 1)
     for (; n + 4 <= n1; n += 4) tile<1, 4>(wt, x, q, m0, b, y, K, N, n);

@@ -101,16 +101,17 @@ def test_cpp_kernel_matches_reference(scheme, group, rows, n, blocks, bias, zero
 @settings(max_examples=40, deadline=None)
 @given(scheme=st.sampled_from(WEIGHT_SCHEMES), rows=st.integers(2, 12), n=st.integers(1, 70),
        blocks=st.integers(1, 6), bias=st.booleans(), seed=st.integers(0, 2**16), bf16_dot=st.booleans(),
-       ahead=st.sampled_from([0, 64, 2048, 16384]))
+       ahead=st.sampled_from([0, 64, 2048, 16384]), group=st.sampled_from([32, 64]))
 def test_cpp_kernel_gives_a_row_the_same_bits_in_a_call_of_any_row_count(scheme, rows, n, blocks, bias, seed,
-                                                                        bf16_dot, ahead):
+                                                                        bf16_dot, ahead, group):
     """Batch invariance: each row of x computed alone equals, bit for bit, that row in a call of ``rows``
-    rows (other tile shapes, the multi-row L2 chunking), so a verify step's token gets a decode's logits;
-    and the weights' prefetch distance (``ahead`` bytes, for the single rows) changes no bit."""
+    rows (other tile shapes, the multi-row L2 chunking; int4: a weight row in any lane of a 4-row tile,
+    or in a short last tile), so a verify step's token gets a decode's logits; and the weights' prefetch
+    distance (``ahead`` bytes, for the single rows) changes no bit."""
     cpp = _cpp()
     gen = torch.Generator().manual_seed(seed)
     k = blocks * 64
-    data, scales = quantize_weight(torch.randn(n, k, generator=gen) * 0.2, scheme, 32)
+    data, scales = quantize_weight(torch.randn(n, k, generator=gen) * 0.2, scheme, group)
     x = torch.randn(rows, k, generator=gen)
     b = torch.randn(n, generator=gen) if bias else None
     with cpp.bf16_products(bf16_dot):
