@@ -3,6 +3,7 @@ steps (one sequence feeding ``--tokens`` tokens, every row's logits, as a verify
 
     .venv/bin/python benchmarks/profile_step.py [--batch 8] [--context 200] [--threads 2]
     .venv/bin/python benchmarks/profile_step.py --batch 1 --tokens 4
+    .venv/bin/python benchmarks/profile_step.py --batch 1 --weight-dtype int4
 """
 from __future__ import annotations
 
@@ -21,10 +22,11 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=200)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=1, help="tokens per sequence per step (a verify: > 1)")
+    parser.add_argument("--weight-dtype", default="auto", help="the Engine's weight_dtype (auto, int8, int4, ...)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model, tok = specgraph.load_model()
-    engine = specgraph.Engine(model, tokenizer=tok)
+    engine = specgraph.Engine(model, tokenizer=tok, weight_dtype=args.weight_dtype)
     program, cache, page = engine.program, engine.kv_cache, engine.page_size
     n = args.tokens
     blocks = -(-(args.context + n) // page)
