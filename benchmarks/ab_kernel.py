@@ -113,8 +113,8 @@ def main() -> None:
         schemes = [args.scheme] * (len(SHAPES) - 1) + [HEAD_SCHEME.get(args.scheme, args.scheme)]
         quantized = [(s, *quantize_weight(w, s)) for s, w in zip(schemes, weights)]
         versions = {v: Quantized(f"sg_ab_{v}", path, quantized) for v, path in (("old", args.old), ("new", args.new))}
-    megabytes = sum(t.numel() * t.element_size() for w in (quantized or [(None, w, None) for w in weights])
-                    for t in w[1:] if t is not None) / 1e6
+    stored = [t for _, *tensors in quantized for t in tensors if t is not None] if quantized else weights
+    megabytes = sum(t.numel() * t.element_size() for t in stored) / 1e6
     print(f"cpu: {cpu_description()}; threads {args.threads}; {args.scheme}; {args.old} vs {args.new}")
     print(f"ms per step of SmolLM2's fused linears ({megabytes:.0f} MB), median of {args.rounds}")
     for rows in (int(r) for r in args.rows.split(",")):

@@ -105,9 +105,9 @@ def test_cpp_kernel_matches_reference(scheme, group, rows, n, blocks, bias, zero
 def test_cpp_kernel_gives_a_row_the_same_bits_in_a_call_of_any_row_count(scheme, rows, n, blocks, bias, seed,
                                                                         bf16_dot, ahead, group):
     """Batch invariance: each row of x computed alone equals, bit for bit, that row in a call of ``rows``
-    rows (other tile shapes, the multi-row L2 chunking; int4: a weight row in any lane of a 4-row tile,
-    or in a short last tile), so a verify step's token gets a decode's logits; and the weights' prefetch
-    distance (``ahead`` bytes, for the single rows) changes no bit."""
+    rows (other tile shapes: int4 tiles of 1 to 4 rows of x, with a short last tile of weight rows where
+    ``n`` is not a multiple of 4; the multi-row L2 chunking), so a verify step's token gets a decode's
+    logits; and the weights' prefetch distance (``ahead`` bytes, for the single rows) changes no bit."""
     cpp = _cpp()
     gen = torch.Generator().manual_seed(seed)
     k = blocks * 64
