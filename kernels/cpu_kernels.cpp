@@ -90,6 +90,47 @@ static inline void dot4_f32(const float* q, const float* const k[4], int64_t D, 
   for (int u = 0; u < 4; ++u) s[u] = dot_f32(q, k[u], D);
 }
 
+// s[4 * g + u] = q_g . k_u for NG query heads (q_g = q + g * D) and four keys: each K vector is loaded once
+// for all the heads. Each dot's arithmetic is dot4_f32's (the same lanes, FMA order and reduction), so a head
+// gets the same scores in any group; AVX2 vectors only (dot4_f32 is the AVX-512 build's everywhere).
+#if defined(SPECGRAPH_AVX2) && !defined(__AVX512F__)
+template <int NG>
+static inline void dot4_heads_avx2(const float* q, const float* const k[4], int64_t D, float* s) {
+  __m256 a[NG][4];
+  for (int g = 0; g < NG; ++g)
+    for (int u = 0; u < 4; ++u) a[g][u] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < D; d += 8) {
+    const __m256 k0 = _mm256_loadu_ps(k[0] + d), k1 = _mm256_loadu_ps(k[1] + d), k2 = _mm256_loadu_ps(k[2] + d),
+                 k3 = _mm256_loadu_ps(k[3] + d);
+    for (int g = 0; g < NG; ++g) {
+      const __m256 qv = _mm256_loadu_ps(q + g * D + d);
+      a[g][0] = _mm256_fmadd_ps(qv, k0, a[g][0]);
+      a[g][1] = _mm256_fmadd_ps(qv, k1, a[g][1]);
+      a[g][2] = _mm256_fmadd_ps(qv, k2, a[g][2]);
+      a[g][3] = _mm256_fmadd_ps(qv, k3, a[g][3]);
+    }
+  }
+  for (int g = 0; g < NG; ++g) {
+    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a[g][0], a[g][1]), _mm256_hadd_ps(a[g][2], a[g][3]));
+    _mm_storeu_ps(s + 4 * g, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+  }
+}
+#endif
+
+// dot4_f32 for the G query heads at q (q + g * D): s[4 * g + u], three heads at a time where it can
+static inline void dot4_heads(const float* q, int64_t G, const float* const k[4], int64_t D, float* s) {
+#if defined(SPECGRAPH_AVX2) && !defined(__AVX512F__)
+  if (D % 8 == 0) {
+    int64_t g = 0;
+    for (; g + 3 <= G; g += 3) dot4_heads_avx2<3>(q + g * D, k, D, s + 4 * g);
+    if (G - g == 2) dot4_heads_avx2<2>(q + g * D, k, D, s + 4 * g);
+    if (G - g == 1) dot4_heads_avx2<1>(q + g * D, k, D, s + 4 * g);
+    return;
+  }
+#endif
+  for (int64_t g = 0; g < G; ++g) dot4_f32(q + g * D, k, D, s + 4 * g);
+}
+
 // Rows of a paged cache are scattered (a block per page, one kv head's rows strided by the others'):
 // walking them one by one waits for each from memory in turn. The loops over keys prefetch the row
 // kPrefetchRows keys ahead, so that many rows are in flight: attention over a cache that left the CPU
@@ -100,31 +141,42 @@ static inline void prefetch_row(const float* row, int64_t D) {
   for (int64_t d = 0; d < D; d += 16) __builtin_prefetch(row + d, 0, 3);
 }
 
-// out[0 .. D) = sum_i p[i] * rows[off[i] .. off[i] + D): the sum is kept in registers, 64 floats at
-// a time, and stored once (not loaded and stored again for every row)
+// out[0 .. 8 * NC) = sum_i p[i] * rows[off[i] .. off[i] + 8 * NC), the sum kept in registers (a
+// compile-time count of them: indexed by a runtime count they lived on the stack, a store and a load per
+// row and vector) and stored once; rows prefetched kPrefetchRows ahead (D floats each) when asked
+#ifdef SPECGRAPH_AVX2
+template <int NC>
+static inline void weighted_rows_cols(float* out, const float* p, const float* rows, const int64_t* off, int64_t n,
+                                      bool prefetch, int64_t D) {
+  __m256 acc[NC];
+  for (int c = 0; c < NC; ++c) acc[c] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < n; ++i) {
+    if (prefetch && i + kPrefetchRows < n) prefetch_row(rows + off[i + kPrefetchRows], D);
+    const __m256 pb = _mm256_set1_ps(p[i]);
+    const float* r = rows + off[i];
+    for (int c = 0; c < NC; ++c) acc[c] = _mm256_fmadd_ps(pb, _mm256_loadu_ps(r + 8 * c), acc[c]);
+  }
+  for (int c = 0; c < NC; ++c) _mm256_storeu_ps(out + 8 * c, acc[c]);
+}
+#endif
+
+// out[0 .. D) = sum_i p[i] * rows[off[i] .. off[i] + D), 64 columns at a time
 static inline void weighted_rows(float* out, const float* p, const float* rows, const int64_t* off, int64_t n,
                                  int64_t D) {
 #ifdef SPECGRAPH_AVX2
   if (D % 8 == 0) {
     for (int64_t d0 = 0; d0 < D; d0 += 64) {
-      const int64_t nc = std::min<int64_t>(8, (D - d0) / 8);
-      __m256 acc[8];
-      for (int c = 0; c < 8; ++c) acc[c] = _mm256_setzero_ps();
-      if (nc == 8) {
-        for (int64_t i = 0; i < n; ++i) {
-          if (d0 == 0 && i + kPrefetchRows < n) prefetch_row(rows + off[i + kPrefetchRows], D);
-          const __m256 pb = _mm256_set1_ps(p[i]);
-          const float* r = rows + off[i] + d0;
-          for (int c = 0; c < 8; ++c) acc[c] = _mm256_fmadd_ps(pb, _mm256_loadu_ps(r + 8 * c), acc[c]);
-        }
-      } else {
-        for (int64_t i = 0; i < n; ++i) {
-          const __m256 pb = _mm256_set1_ps(p[i]);
-          const float* r = rows + off[i] + d0;
-          for (int64_t c = 0; c < nc; ++c) acc[c] = _mm256_fmadd_ps(pb, _mm256_loadu_ps(r + 8 * c), acc[c]);
-        }
+      const bool first = d0 == 0;  // (the first pass prefetches the whole rows)
+      switch (std::min<int64_t>(8, (D - d0) / 8)) {
+        case 8: weighted_rows_cols<8>(out + d0, p, rows + d0, off, n, first, D); break;
+        case 7: weighted_rows_cols<7>(out + d0, p, rows + d0, off, n, first, D); break;
+        case 6: weighted_rows_cols<6>(out + d0, p, rows + d0, off, n, first, D); break;
+        case 5: weighted_rows_cols<5>(out + d0, p, rows + d0, off, n, first, D); break;
+        case 4: weighted_rows_cols<4>(out + d0, p, rows + d0, off, n, first, D); break;
+        case 3: weighted_rows_cols<3>(out + d0, p, rows + d0, off, n, first, D); break;
+        case 2: weighted_rows_cols<2>(out + d0, p, rows + d0, off, n, first, D); break;
+        default: weighted_rows_cols<1>(out + d0, p, rows + d0, off, n, first, D); break;
       }
-      for (int64_t c = 0; c < nc; ++c) _mm256_storeu_ps(out + d0 + 8 * c, acc[c]);
     }
     return;
   }
@@ -167,6 +219,35 @@ static inline void weighted_rows_heads_avx512(float* out, int64_t out_stride, co
 }
 #endif
 
+// weighted_rows for NG heads (weights p + g * p_stride, outputs out + g * out_stride) over the same rows, 32
+// columns per pass: each output lane gets weighted_rows' FMAs in its order, so a head's sums do not depend on
+// its group
+#if defined(SPECGRAPH_AVX2) && !defined(__AVX512F__)
+template <int NG>
+static inline void weighted_rows_heads_avx2(float* out, int64_t out_stride, const float* p, int64_t p_stride,
+                                            const float* rows, const int64_t* off, int64_t n, int64_t D) {
+  for (int64_t d0 = 0; d0 < D; d0 += 32) {
+    __m256 acc[NG][4];
+    for (int g = 0; g < NG; ++g)
+      for (int c = 0; c < 4; ++c) acc[g][c] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n; ++i) {
+      const float* r = rows + off[i] + d0;
+      const __m256 v0 = _mm256_loadu_ps(r), v1 = _mm256_loadu_ps(r + 8), v2 = _mm256_loadu_ps(r + 16),
+                   v3 = _mm256_loadu_ps(r + 24);
+      for (int g = 0; g < NG; ++g) {
+        const __m256 pb = _mm256_set1_ps(p[g * p_stride + i]);
+        acc[g][0] = _mm256_fmadd_ps(pb, v0, acc[g][0]);
+        acc[g][1] = _mm256_fmadd_ps(pb, v1, acc[g][1]);
+        acc[g][2] = _mm256_fmadd_ps(pb, v2, acc[g][2]);
+        acc[g][3] = _mm256_fmadd_ps(pb, v3, acc[g][3]);
+      }
+    }
+    for (int g = 0; g < NG; ++g)
+      for (int c = 0; c < 4; ++c) _mm256_storeu_ps(out + g * out_stride + d0 + 8 * c, acc[g][c]);
+  }
+}
+#endif
+
 static inline void weighted_rows_heads(float* out, int64_t out_stride, const float* p, int64_t p_stride, int64_t G,
                                        const float* rows, const int64_t* off, int64_t n, int64_t D) {
 #if defined(__AVX512F__)
@@ -175,6 +256,15 @@ static inline void weighted_rows_heads(float* out, int64_t out_stride, const flo
     case 64: return weighted_rows_heads_avx512<4>(out, out_stride, p, p_stride, G, rows, off, n);
     case 128: return weighted_rows_heads_avx512<8>(out, out_stride, p, p_stride, G, rows, off, n);
     default: break;
+  }
+#endif
+#if defined(SPECGRAPH_AVX2) && !defined(__AVX512F__)
+  if (D % 32 == 0) {  // three heads at a time, 32 columns per pass: each V vector loaded once for them
+    int64_t g = 0;
+    for (; g + 3 <= G; g += 3) weighted_rows_heads_avx2<3>(out + g * out_stride, out_stride, p + g * p_stride, p_stride, rows, off, n, D);
+    if (G - g == 2) weighted_rows_heads_avx2<2>(out + g * out_stride, out_stride, p + g * p_stride, p_stride, rows, off, n, D);
+    if (G - g == 1) weighted_rows_heads_avx2<1>(out + g * out_stride, out_stride, p + g * p_stride, p_stride, rows, off, n, D);
+    return;
   }
 #endif
   for (int64_t g = 0; g < G; ++g) weighted_rows(out + g * out_stride, p + g * p_stride, rows, off, n, D);
@@ -320,6 +410,40 @@ struct MixedRows {
   }
 };
 
+// Keys are taken in fixed chunks of kKeyChunk (chunk c: keys c * kKeyChunk .. (c + 1) * kKeyChunk - 1). For
+// each (token, head) a chunk gives a partial (max m, sum l of exp(score - m), acc = sum of exp(score - m) * V
+// rows; l = 0: the token sees no key of the chunk), and the partials are folded in key order from an empty
+// state. A row's arithmetic depends on its keys alone, so work may be split by chunk without changing a bit.
+constexpr int64_t kKeyChunk = 64;
+// steps of at most this many tokens per sequence split few items' keys over the threads (decodes, verifies)
+constexpr int64_t kSplitKeysTokens = 16;
+// query heads scored per pass over four K rows (a stack buffer's size)
+constexpr int64_t kMaxGroup = 12;
+
+// st = st (+) pt, both [m, l, acc[D]]
+static inline void fold_partial(float* st, const float* pt, int64_t D) {
+  if (pt[1] == 0.f) return;
+  if (st[1] == 0.f) {
+    std::memcpy(st, pt, (D + 2) * sizeof(float));
+    return;
+  }
+  const float m = std::max(st[0], pt[0]), a = expf(st[0] - m), b = expf(pt[0] - m);
+  st[0] = m;
+  st[1] = st[1] * a + pt[1] * b;
+  float* acc = st + 2;
+  const float* add = pt + 2;
+#pragma omp simd
+  for (int64_t d = 0; d < D; ++d) acc[d] = acc[d] * a + add[d] * b;
+}
+
+// out[0 .. D) = acc / l (left at 0 when no key was seen)
+static inline void finish_partial(float* out, const float* st, int64_t D) {
+  if (st[1] == 0.f) return;
+  const float inv = 1.f / st[1];
+#pragma omp simd
+  for (int64_t d = 0; d < D; ++d) out[d] = st[2 + d] * inv;
+}
+
 // q [N, H, D], k_cache/v_cache [num_blocks, P, KVH, D] (float32, contiguous), block_tables [S, MB]
 // int32, seq_lens [S] int32, query_start_loc [S + 1] int32, positions [N] int64 -> out [N, H, D].
 // Token i (position p) of sequence s sees keys lo .. hi - 1: hi = min(p + 1, seq_lens[s]), lo = 0, or
@@ -329,7 +453,11 @@ struct MixedRows {
 // One work item per (sequence, kv head): each cached K/V row of that head in the union of the
 // sequence's visible ranges is read once and used by every query token and head of its group that
 // sees it; keys before that union are never touched (a windowed decode reads `window` keys at any
-// context). Items per kv head let one sequence's decode use every thread.
+// context). Keys go in fixed chunks (kKeyChunk, an online softmax folded in key order), so an item's
+// work can be split over threads by chunk as well as by query head without changing a row's bits:
+// a batch-1 decode's 3 items (SmolLM2) used to put one thread on two items' rows and the other
+// reading the same rows again for its heads (2 threads no faster than 1 at 1,000 keys); by chunk
+// each row is read once and both threads stream their own keys (1.2-1.3x faster at 200-4,000 keys).
 // Token trees (tree_mask.py): with tree_mask (int32 [N, TW], contiguous) token t of sequence s (base =
 // seq_lens[s] - T, key j's position kp = j below base, else positions[t0 + j - base]) reads keys
 // lo .. hi - 1 with hi = min(base + t + 1, seq_lens[s]) and, with a window, lo = min(p - window + 1, base)
@@ -372,23 +500,40 @@ static torch::Tensor attend_rows(torch::Tensor q, const Rows& rows, int64_t P, i
   float* op = out.data_ptr<float>();
   const float sc = static_cast<float>(scale);
   const float cap = static_cast<float>(softcap), inv_cap = softcap > 0.0 ? static_cast<float>(1.0 / softcap) : 0.f;
-  // Fewer work items than twice the threads (a small batch of decodes: 3 items on 2 threads gave one
-  // thread twice the other's work): each item's query heads are split into HS slices, one unit each
-  // (each reads the item's K/V rows, from cache after the first). A (token, head)'s arithmetic is the
-  // same whatever the split, the batch or the step's other tokens: a verify's rows are bitwise a
-  // decode's (splitting the keys, flash-decoding, would merge partial sums in another order).
+  const int64_t PW = D + 2;  // a partial: (max, sum, acc[D])
+  // Work splits (none changes a row's arithmetic, see above): a unit is a (sequence, kv head) item, or
+  // a slice of its query heads (few items of long steps: a prefill chunk), or one key chunk of an item
+  // (few items of short steps: a batch-1 decode or verify), whose partials land in `parts` and are
+  // folded after all units end.
   const int64_t items = S * KVH, threads = at::get_num_threads();
-  const int64_t HS = items >= 2 * threads ? 1 : std::min<int64_t>(G, (2 * threads + items - 1) / items);
-  at::parallel_for(0, items * HS, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, kbuf, vbuf, kdist;  // kdist: a tree token's kp - p per key of its range
+  int64_t longest_step = 0, longest_seq = 0;
+  for (int64_t s = 0; s < S; ++s) {
+    longest_step = std::max<int64_t>(longest_step, std::min<int64_t>(qsl[s + 1], N) - std::max<int64_t>(qsl[s], 0));
+    longest_seq = std::max<int64_t>(longest_seq, lens[s]);
+  }
+  const bool split_keys = items < 2 * threads && longest_step <= kSplitKeysTokens;
+  const int64_t NC = split_keys ? std::max<int64_t>(1, (std::min(longest_seq, MB * P) + kKeyChunk - 1) / kKeyChunk) : 1;
+  const int64_t HS = split_keys || items >= 2 * threads ? 1 : std::min<int64_t>(G, (2 * threads + items - 1) / items);
+  const int64_t TP = std::max<int64_t>(longest_step, 1);
+  // [item, chunk, token, head, PW], the calling thread's buffer (reused: no page faults per call; the
+  // units reach it through this pointer, a thread_local named in them would be their own thread's)
+  static thread_local std::vector<float> parts_buffer;
+  if (split_keys && parts_buffer.size() < static_cast<size_t>(items * NC * TP * G * PW))
+    parts_buffer.resize(items * NC * TP * G * PW);
+  float* const parts = parts_buffer.data();
+  at::parallel_for(0, items * HS * NC, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, kbuf, vbuf, kdist, part, state;  // kdist: a tree token's kp - p per key
     std::vector<int64_t> lo, hi, off;
-    std::vector<uint8_t> vis;  // a tree token's visible keys in its range
+    std::vector<uint8_t> vis;  // a tree token's visible keys in the chunk's part of its range
     for (int64_t unit = begin; unit < end; ++unit) {
-      const int64_t item = unit / HS, slice = unit % HS;
+      const int64_t item = unit / (HS * NC), slice = unit / NC % HS, chunk = unit % NC;
       const int64_t s = item / KVH, kvh = item % KVH, h0 = kvh * G;  // the kv head's query heads h0 .. h0 + G - 1
       const int64_t g_lo = G * slice / HS, g_hi = G * (slice + 1) / HS;  // this unit's: h0 + g_lo .. h0 + g_hi - 1
       const int64_t t0 = std::max<int64_t>(qsl[s], 0), t1 = std::min<int64_t>(qsl[s + 1], N);
       const int64_t T = t1 - t0;
+      float* unit_parts = split_keys ? parts + (item * NC + chunk) * TP * G * PW : nullptr;
+      if (split_keys)  // (an empty partial: sum 0)
+        for (int64_t i = 0; i < TP * G; ++i) unit_parts[i * PW + 1] = 0.f;
       if (T <= 0 || g_lo == g_hi) continue;
       lo.assign(T, 0);
       hi.assign(T, 0);
@@ -408,98 +553,139 @@ static torch::Tensor attend_rows(torch::Tensor q, const Rows& rows, int64_t P, i
       if (k1 == 0) continue;  // no visible key (bad input): output 0, as the other kernels do
       TORCH_CHECK(k1 <= MB * P, "sequence ", s, " has ", k1, " visible keys but its block table row holds ",
                   MB * P, " slots");
-      const int64_t nk = k1 - k0;  // score columns per (token, head of the group): keys k0 .. k1 - 1
       const int32_t* table = bt + s * MB;
-      for (int64_t b = k0 / P; b < (k1 + P - 1) / P; ++b)
+      const int64_t c_lo = split_keys ? chunk : k0 / kKeyChunk, c_hi = split_keys ? chunk + 1 : (k1 + kKeyChunk - 1) / kKeyChunk;
+      const int64_t r0 = std::max(k0, c_lo * kKeyChunk), r1 = std::min(k1, c_hi * kKeyChunk);  // the unit's keys
+      if (r0 >= r1) continue;  // (a chunk outside the item's keys: its partials stay empty)
+      for (int64_t b = r0 / P; b < (r1 + P - 1) / P; ++b)
         TORCH_CHECK(table[b] >= 0 && table[b] < num_blocks, "block_tables[", s, ", ", b, "] = ", table[b],
                     " is outside the cache's ", num_blocks, " blocks");
+      if (!split_keys) {  // the running fold of the item's chunks, per (token, head of the unit)
+        state.assign(T * G * PW, 0.f);
+        part.resize(T * G * PW);
+      }
+      // offsets (floats, from kp / vp) of this kv head's rows of the unit's keys r0 .. r1 - 1
+      const float *kp, *vp;
+      rows.gather(table, P, kvh, D, r0, r1, off, kbuf, vbuf, &kp, &vp);
       // the plain path (no window: every range starts at key 0) is compiled without the window's tests
       auto attend = [&](auto windowed) {
         constexpr bool W = decltype(windowed)::value;
-        const int64_t kb = W ? k0 : 0;
-        // offsets (floats, from kp / vp) of this kv head's rows of keys kb .. k1 - 1
-        const float *kp, *vp;
-        rows.gather(table, P, kvh, D, kb, k1, off, kbuf, vbuf, &kp, &vp);
-        // scores[(t * G + g) * nk + j - kb] for query head h0 + g; each key row read once
-        scores.assign(T * G * nk, 0.f);
-        // keys four at a time (a short last block repeats its last row); a token skips the blocks it
-        // sees none of, and the scores it gets for keys outside its range are never read
-        for (int64_t j = kb; j < k1; j += 4) {
-          const int64_t nb = std::min<int64_t>(4, k1 - j);
-          const float* kh[4];
-          for (int64_t u = 0; u < 4; ++u) {
-            const int64_t jj = std::min(j + u, k1 - 1);
-            kh[u] = kp + off[jj - kb];
-            if (jj + kPrefetchRows < k1) prefetch_row(kp + off[jj + kPrefetchRows - kb], D);
-          }
-          for (int64_t t = 0; t < T; ++t) {
-            if (j >= hi[t] || (W && j + nb <= lo[t])) continue;
-            const float* qt = qp + ((t0 + t) * H + h0) * D;
-            for (int64_t g = g_lo; g < g_hi; ++g) {
-              float s4[4];
-              dot4_f32(qt + g * D, kh, D, s4);
-              float* row = scores.data() + (t * G + g) * nk + j - kb;
-              for (int64_t u = 0; u < nb; ++u) row[u] = s4[u] * sc;
-            }
-          }
-        }
-        for (int64_t t = 0; t < T; ++t) {
-          const int64_t n = hi[t] - lo[t], p = pos[t0 + t];
-          if (n <= 0) continue;
-          if (tm) {  // the tree rule (above) for keys lo[t] .. hi[t] - 1
-            const uint32_t* row = reinterpret_cast<const uint32_t*>(tm + (t0 + t) * TW);
-            kdist.resize(n);
-            vis.resize(n);
-            bool any = false;
-            for (int64_t i = 0; i < n; ++i) {
-              const int64_t j = lo[t] + i, r = j - base, kp = r < 0 ? j : pos[t0 + r];
-              vis[i] = kp <= p && (window == 0 || kp > p - window) &&
-                       (r < 0 || r >= 32 * TW || ((row[r / 32] >> (r % 32)) & 1u));
-              kdist[i] = static_cast<float>(kp - p);
-              any = any || vis[i];
-            }
-            if (!any) continue;
-          }
-          for (int64_t g = g_lo; g < g_hi; ++g) {
-            const int64_t head = h0 + g;
-            float* sg = scores.data() + (t * G + g) * nk + (lo[t] - kb);  // sg[i]: key lo[t] + i
-            if (cap > 0.f) {
-#pragma omp simd
-              for (int64_t i = 0; i < n; ++i) sg[i] = cap * tanhf(sg[i] * inv_cap);
-            }
-            if (slopes) {
-              const float slope = slopes[head], d0 = static_cast<float>(lo[t] - p);  // j - p at i = 0
-              if (tm) {
-                for (int64_t i = 0; i < n; ++i) sg[i] += slope * kdist[i];
-              } else {
-#pragma omp simd
-                for (int64_t i = 0; i < n; ++i) sg[i] += slope * (d0 + static_cast<float>(i));
+        for (int64_t c = c_lo; c < c_hi; ++c) {
+          float* pc = split_keys ? unit_parts : part.data();  // [token, head, PW]
+          const int64_t j0 = std::max(r0, c * kKeyChunk), j1 = std::min(r1, (c + 1) * kKeyChunk);
+          for (int64_t i = 0; i < T * G; ++i) pc[i * PW + 1] = 0.f;
+          if (j0 < j1) {
+            const int64_t nk = j1 - j0;
+            // scores[(t * G + g) * nk + j - j0] for query head h0 + g; each key row read once
+            scores.resize(T * G * nk);
+            // keys four at a time (a short last block repeats its last row); a token skips the blocks it
+            // sees none of, and the scores it gets for keys outside its range are never read. K rows are
+            // prefetched kPrefetchRows ahead across chunks (a chunk's first rows are not waited for), and
+            // each key's V row as its K row is read: the chunk's V pass below finds them in cache.
+            for (int64_t j = j0; j < j1; j += 4) {
+              const int64_t nb = std::min<int64_t>(4, j1 - j);
+              const float* kh[4];
+              for (int64_t u = 0; u < 4; ++u) {
+                const int64_t jj = std::min(j + u, j1 - 1);
+                kh[u] = kp + off[jj - r0];
+                if (jj + kPrefetchRows < r1) prefetch_row(kp + off[jj + kPrefetchRows - r0], D);
+                if (u < nb) prefetch_row(vp + off[jj - r0], D);
+              }
+              for (int64_t t = 0; t < T; ++t) {
+                if (j >= hi[t] || (W && j + nb <= lo[t])) continue;
+                float s4[4 * kMaxGroup];
+                for (int64_t g = g_lo; g < g_hi; g += kMaxGroup) {
+                  const int64_t ng = std::min<int64_t>(kMaxGroup, g_hi - g);
+                  dot4_heads(qp + ((t0 + t) * H + h0 + g) * D, ng, kh, D, s4);
+                  for (int64_t e = 0; e < ng; ++e) {
+                    float* row = scores.data() + (t * G + g + e) * nk + j - j0;
+                    for (int64_t u = 0; u < nb; ++u) row[u] = s4[4 * e + u] * sc;
+                  }
+                }
               }
             }
-            if (tm)
-              for (int64_t i = 0; i < n; ++i)
-                if (!vis[i]) sg[i] = std::numeric_limits<float>::lowest();
-            const float mx = *std::max_element(sg, sg + n);
-            float sum = 0.f;
+            for (int64_t t = 0; t < T; ++t) {
+              const int64_t a = std::max(lo[t], j0), n = std::min(hi[t], j1) - a, p = pos[t0 + t];
+              if (n <= 0) continue;
+              if (tm) {  // the tree rule (above) for keys a .. a + n - 1
+                const uint32_t* row = reinterpret_cast<const uint32_t*>(tm + (t0 + t) * TW);
+                kdist.resize(n);
+                vis.resize(n);
+                bool any = false;
+                for (int64_t i = 0; i < n; ++i) {
+                  const int64_t j = a + i, r = j - base, kp = r < 0 ? j : pos[t0 + r];
+                  vis[i] = kp <= p && (window == 0 || kp > p - window) &&
+                           (r < 0 || r >= 32 * TW || ((row[r / 32] >> (r % 32)) & 1u));
+                  kdist[i] = static_cast<float>(kp - p);
+                  any = any || vis[i];
+                }
+                if (!any) continue;
+              }
+              for (int64_t g = g_lo; g < g_hi; ++g) {
+                const int64_t head = h0 + g;
+                float* sg = scores.data() + (t * G + g) * nk + (a - j0);  // sg[i]: key a + i
+                if (cap > 0.f) {
+#pragma omp simd
+                  for (int64_t i = 0; i < n; ++i) sg[i] = cap * tanhf(sg[i] * inv_cap);
+                }
+                if (slopes) {
+                  const float slope = slopes[head], d0 = static_cast<float>(a - p);  // j - p at i = 0
+                  if (tm) {
+                    for (int64_t i = 0; i < n; ++i) sg[i] += slope * kdist[i];
+                  } else {
+#pragma omp simd
+                    for (int64_t i = 0; i < n; ++i) sg[i] += slope * (d0 + static_cast<float>(i));
+                  }
+                }
+                if (tm)
+                  for (int64_t i = 0; i < n; ++i)
+                    if (!vis[i]) sg[i] = std::numeric_limits<float>::lowest();
+                const float mx = *std::max_element(sg, sg + n);
+                float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-            for (int64_t i = 0; i < n; ++i) {
-              sg[i] = expf(sg[i] - mx);  // vectorized (glibc libmvec) under -ffast-math
-              sum += sg[i];
+                for (int64_t i = 0; i < n; ++i) {
+                  sg[i] = expf(sg[i] - mx);  // vectorized (glibc libmvec) under -ffast-math
+                  sum += sg[i];
+                }
+                pc[(t * G + g) * PW] = mx;
+                pc[(t * G + g) * PW + 1] = sum;
+              }
+              // the token's visible keys of the chunk are one range: each head's V rows weighted
+              weighted_rows_heads(pc + (t * G + g_lo) * PW + 2, PW, scores.data() + (t * G + g_lo) * nk + (a - j0), nk,
+                                  g_hi - g_lo, vp, off.data() + (a - r0), n, D);
             }
-            const float inv = 1.f / sum;
-            for (int64_t i = 0; i < n; ++i) sg[i] *= inv;
           }
-          // the token's visible keys are one range: each head's output is their V rows weighted
-          weighted_rows_heads(op + ((t0 + t) * H + h0 + g_lo) * D, D, scores.data() + (t * G + g_lo) * nk + (lo[t] - kb),
-                              nk, g_hi - g_lo, vp, off.data() + (lo[t] - kb), n, D);
+          if (!split_keys)
+            for (int64_t t = 0; t < T; ++t)
+              for (int64_t g = g_lo; g < g_hi; ++g) fold_partial(state.data() + (t * G + g) * PW, pc + (t * G + g) * PW, D);
         }
       };
       if (window > 0)
         attend(std::true_type{});
       else
         attend(std::false_type{});
+      if (!split_keys)
+        for (int64_t t = 0; t < T; ++t)
+          for (int64_t g = g_lo; g < g_hi; ++g)
+            finish_partial(op + ((t0 + t) * H + h0 + g) * D, state.data() + (t * G + g) * PW, D);
     }
   });
+  if (split_keys) {  // each (token, head)'s chunk partials folded in key order, as one unit folds them
+    at::parallel_for(0, items, std::max<int64_t>(1, 32768 / (NC * TP * G * PW)), [&](int64_t begin, int64_t end) {
+      std::vector<float> state(PW);
+      for (int64_t item = begin; item < end; ++item) {
+        const int64_t s = item / KVH, h0 = item % KVH * G;
+        const int64_t t0 = std::max<int64_t>(qsl[s], 0), T = std::min<int64_t>(qsl[s + 1], N) - t0;
+        for (int64_t t = 0; t < T; ++t)
+          for (int64_t g = 0; g < G; ++g) {
+            state[1] = 0.f;
+            for (int64_t c = 0; c < NC; ++c)
+              fold_partial(state.data(), parts + (((item * NC + c) * TP + t) * G + g) * PW, D);
+            finish_partial(op + ((t0 + t) * H + h0 + g) * D, state.data(), D);
+          }
+      }
+    });
+  }
   return out;
 }
 

@@ -11,9 +11,11 @@ The torch path (``paged_attention_ref``) gathers every K/V row a step reads into
 and then runs SDPA over it: each cached byte is read twice and written once. This kernel walks
 the block table and reads each K and V row (all kv heads of a slot, contiguous) once, straight
 from the cache, for every query token and head of the sequence that sees it (GQA: head ``h``
-uses kv head ``h // G``), with a two-pass softmax in float32. One work item is a sequence,
-spread over torch's intra-op threads. (Work items per (token, kv head) read each row in three
-head-sized pieces at different times and were 3x slower on SmolLM2's cold cache.)
+uses kv head ``h // G``), with an online softmax in float32 over fixed chunks of 64 keys whose partials
+are folded in key order. One work item is a (sequence, kv head), spread over torch's intra-op threads;
+where there are fewer than two per thread, a short step's items are split by key chunk and a long
+one's by query head, neither of which changes a row's bits. (Work items per (token, kv head) read each
+row in three head-sized pieces at different times and were 3x slower on SmolLM2's cold cache.)
 
 It implements the op contract's variants (``paged_attention.py``, "variant"): ``window``,
 ``softcap`` and ``alibi_slopes`` (float32 ``[num_heads]``). With a sliding window each token sees
