@@ -291,6 +291,16 @@ void cache_write_rows(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, t
   }
 }
 
+// fn(i, block, slot in block) for keys j = kb + i .. k1 - 1 of a block table with pages of P slots: walked
+// page by page (a division per key, j / P and j % P, cost about as much as the float work of a key's row)
+template <class F>
+static inline void for_each_key_slot(const int32_t* table, int64_t P, int64_t kb, int64_t k1, F fn) {
+  for (int64_t j = kb; j < k1;) {
+    const int64_t b = j / P, block = table[b], end = std::min(k1, (b + 1) * P);
+    for (int64_t in = j - b * P; j < end; ++j, ++in) fn(j - kb, block, in);
+  }
+}
+
 // Where a work item's K and V rows come from. Each source fills off[j - kb] with the offset (in
 // floats, from the returned bases) of key j's row of kv head kvh, for keys kb .. k1 - 1.
 // FloatRows: a float32 cache [num_blocks, P, KVH, D], read in place.
@@ -302,7 +312,9 @@ struct FloatRows {
               std::vector<int64_t>& off, std::vector<float>&, std::vector<float>&, const float** kbase,
               const float** vbase) const {
     off.resize(k1 - kb);
-    for (int64_t j = kb; j < k1; ++j) off[j - kb] = ((static_cast<int64_t>(table[j / P]) * P + j % P) * KVH + kvh) * D;
+    for_each_key_slot(table, P, kb, k1, [&](int64_t i, int64_t block, int64_t in) {
+      off[i] = ((block * P + in) * KVH + kvh) * D;
+    });
     *kbase = k;
     *vbase = v;
   }
@@ -356,11 +368,10 @@ struct QuantRows {
     off.resize(nk);
     kbuf.resize(nk * D);
     vbuf.resize(nk * D);
-    for (int64_t j = kb; j < k1; ++j) {
-      const int64_t i = j - kb;
+    for_each_key_slot(table, P, kb, k1, [&](int64_t i, int64_t block, int64_t in) {
       off[i] = i * D;
-      dequant((static_cast<int64_t>(table[j / P]) * P + j % P) * KVH + kvh, D, kbuf.data() + i * D, vbuf.data() + i * D);
-    }
+      dequant((block * P + in) * KVH + kvh, D, kbuf.data() + i * D, vbuf.data() + i * D);
+    });
     *kbase = kbuf.data();
     *vbase = vbuf.data();
   }
@@ -394,17 +405,16 @@ struct MixedRows {
     off.resize(nk);
     kbuf.resize(nk * D);
     vbuf.resize(nk * D);
-    for (int64_t j = kb; j < k1; ++j) {
-      const int64_t i = j - kb, block = table[j / P];
+    for_each_key_slot(table, P, kb, k1, [&](int64_t i, int64_t block, int64_t in) {
       off[i] = i * D;
       if (block < num_hot) {
-        const int64_t row = ((block * P + j % P) * KVH + kvh) * D;
+        const int64_t row = ((block * P + in) * KVH + kvh) * D;
         std::memcpy(kbuf.data() + i * D, k_hot + row, D * sizeof(float));
         std::memcpy(vbuf.data() + i * D, v_hot + row, D * sizeof(float));
       } else {
-        cold.dequant(((block - num_hot) * P + j % P) * KVH + kvh, D, kbuf.data() + i * D, vbuf.data() + i * D);
+        cold.dequant(((block - num_hot) * P + in) * KVH + kvh, D, kbuf.data() + i * D, vbuf.data() + i * D);
       }
-    }
+    });
     *kbase = kbuf.data();
     *vbase = vbuf.data();
   }
