@@ -38,14 +38,16 @@ SHAPES = LAYER * LAYERS + [(VOCAB, HIDDEN)]
 HEAD_SCHEME = {"int4": "int8", "fp8": "int8"}
 
 
-def build(name: str, source: Path, quantized: bool):
-    """``source`` as an extension whose ops live in ``torch.ops.<name>`` (and whose functions are its attributes)."""
+def build(name: str, source: Path, quantized: bool, cflags: tuple[str, ...] = ()):
+    """``source`` as an extension whose ops live in ``torch.ops.<name>`` (and whose functions are its attributes),
+    built with specgraph's flags plus ``cflags`` (``-mno-avx2``: the scalar paths)."""
     header = (KERNELS / "cpu_kernels.cpp").read_text().split("// a . b over D floats")[0]  # includes + FloatVec
     text = (source.read_text().replace("specgraph_cpu", name).replace("TORCH_LIBRARY_FRAGMENT", "TORCH_LIBRARY")
             .replace("specgraph_panel", f"{name}_panel"))
     functions = ["quant_linear_cpu"] if quantized else ["set_panel_prefetch"]
     return load_inline(name=name, cpp_sources=[header + text], functions=functions,
-                       extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"], extra_ldflags=["-fopenmp"])
+                       extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math", *cflags],
+                       extra_ldflags=["-fopenmp"])
 
 
 class Panel:

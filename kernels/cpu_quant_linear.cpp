@@ -360,8 +360,9 @@ struct Weights {
   int64_t G;
 };
 
-// Scalar path (no AVX2; and int8 / fp8 / bfloat16: a range's odd last weight row): the same
-// numbers, one output at a time (int4: int4_tile's float operations exactly).
+// Scalar path (no AVX2; and int8 / fp8 / bfloat16: a range's odd last weight row), one output at a time:
+// int4 with int4_tile's float operations exactly (bit for bit, tests/test_quantize_weights.py builds it
+// with -mno-avx2); the widened formats with the same products summed in another order.
 static float scalar_output(const Weights& wt, const float* x, const QuantizedRows& q, int64_t m, int64_t K,
                            int64_t n) {
   const int64_t KB = K / kBlock;

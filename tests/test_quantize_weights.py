@@ -2,7 +2,8 @@
 
 * ``quantize_weight`` round trips stay within each format's stated error;
 * the C++ kernel (``cpu_kernels.quant_linear_cpp`` and the native op compiled graphs call) is fuzzed
-  against ``quant_linear_ref`` (shapes, row counts, biases, zero blocks, int4 groups);
+  against ``quant_linear_ref`` (shapes, row counts, biases, zero blocks, int4 groups), and its int4 scalar
+  path (a build without AVX2) against the AVX2 tiles bit for bit;
 * the ``quantize_weights`` pass keeps its invariant: a captured model's output equals the model run
   with every linear computing ``quant_linear_ref`` over its quantized weight (the LM head in its
   own scheme);
@@ -119,6 +120,37 @@ def test_cpp_kernel_gives_a_row_the_same_bits_in_a_call_of_any_row_count(scheme,
         with prefetch.distances(quant=ahead):
             for i in range(rows):
                 assert torch.equal(cpp.quant_linear_cpp(x[i:i + 1], data, scales, b, scheme)[0], together[i]), i
+
+
+@pytest.fixture(scope="module")
+def scalar_build():
+    """The quantized linear built without AVX2 (``-mno-avx2``, as on a CPU without it): its scalar paths."""
+    import sys
+    from pathlib import Path
+
+    with open("/proc/cpuinfo") as f:
+        if " avx2" not in f.read():
+            pytest.skip("this CPU has no AVX2: specgraph's own build already runs the scalar paths")
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    from ab_kernel import KERNELS, build
+
+    return build("sg_quant_linear_scalar", KERNELS / "cpu_quant_linear.cpp", quantized=True, cflags=("-mno-avx2",))
+
+
+@settings(max_examples=25, deadline=None)
+@given(rows=st.integers(1, 12), n=st.integers(1, 70), blocks=st.integers(1, 6), bias=st.booleans(),
+       group=st.sampled_from([32, 64]), seed=st.integers(0, 2**16))
+def test_int4_scalar_path_gives_the_avx2_tiles_bits(scalar_build, rows, n, blocks, bias, group, seed):
+    """A build without AVX2 computes int4 outputs one at a time with the AVX2 tile's float operations, so a
+    model gives the same int4 outputs on any x86 CPU (the widened formats' scalar sums come in another order:
+    within the reference's tolerance, not bit for bit)."""
+    gen = torch.Generator().manual_seed(seed)
+    k = blocks * 64
+    data, scales = quantize_weight(torch.randn(n, k, generator=gen) * 0.2, "int4", group)
+    x = torch.randn(rows, k, generator=gen)
+    b = torch.randn(n, generator=gen) if bias else None
+    assert torch.equal(scalar_build.quant_linear_cpu(x, data, scales, b, "int4"),
+                       _cpp().quant_linear_cpp(x, data, scales, b, "int4"))
 
 
 def test_native_bf16_dots_are_built_where_the_cpu_has_them_and_chosen_by_measurement():
