@@ -4,8 +4,8 @@
     .venv/bin/python benchmarks/ab_attention.py /tmp/old.cpp kernels/cpu_kernels.cpp [--differ] [--threads 1,2]
 
 Each file is built as its own extension (its op library renamed) with the flags specgraph builds with. A case
-is SmolLM2's attention (9 query heads over 3 kv heads, head size 64, pages of 16) for ``batch`` decodes at
-``context`` keys, over 30 layers' caches (more than any CPU cache at 1,000 keys and up, as in a step, where the
+is SmolLM2's attention (9 query heads over 3 kv heads, head size 64, pages of 16) for ``batch`` sequences at
+``context`` keys feeding ``--tokens`` tokens each (1: decodes; more: verifies or prefill chunks, causal), over 30 layers' caches (more than any CPU cache at 1,000 keys and up, as in a step, where the
 weights stream between two visits of a layer's cache). The versions alternate, the order flipping every round;
 the median of ``--rounds`` rounds is printed. Both must give bitwise the same outputs (checked first), or with
 ``--differ`` (a change of the order of float operations) each must be within the reference's tolerance
@@ -36,15 +36,18 @@ def build(name: str, source: Path):
                        extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"], extra_ldflags=["-fopenmp"])
 
 
-def case(context: int, batch: int) -> tuple[list, tuple]:
-    """30 layers' caches and the step's other arguments: ``batch`` decodes at position ``context - 1``."""
+def case(context: int, batch: int, tokens: int = 1) -> tuple[list, tuple]:
+    """30 layers' caches and the step's other arguments: ``batch`` sequences feeding positions ``context -
+    tokens .. context - 1``."""
     per_seq = -(-context // PAGE)
     blocks = batch * per_seq + 1
     caches = [(torch.randn(blocks, PAGE, KV_HEADS, HEAD_DIM), torch.randn(blocks, PAGE, KV_HEADS, HEAD_DIM))
               for _ in range(LAYERS)]
     tables = torch.arange(1, blocks, dtype=torch.int32).reshape(batch, per_seq)
-    step = (tables, torch.full((batch,), context, dtype=torch.int32), torch.arange(batch + 1, dtype=torch.int32),
-            torch.full((batch,), context - 1), HEAD_DIM ** -0.5, 0, 0.0, None, None)
+    positions = torch.arange(context - tokens, context).repeat(batch)
+    step = (tables, torch.full((batch,), context, dtype=torch.int32),
+            torch.arange(0, (batch + 1) * tokens, tokens, dtype=torch.int32), positions, HEAD_DIM ** -0.5, 0, 0.0,
+            None, None)
     return caches, step
 
 
@@ -73,6 +76,7 @@ def main() -> None:
     p.add_argument("--differ", action="store_true", help="the versions may differ within the reference's tolerance")
     p.add_argument("--contexts", default="200,1000,4000")
     p.add_argument("--batches", default="1,4")
+    p.add_argument("--tokens", type=int, default=1, help="tokens per sequence per step")
     p.add_argument("--threads", default="2")
     p.add_argument("--rounds", type=int, default=15)
     args = p.parse_args()
@@ -83,8 +87,8 @@ def main() -> None:
         torch.set_num_threads(threads)
         for context in (int(c) for c in args.contexts.split(",")):
             for batch in (int(b) for b in args.batches.split(",")):
-                caches, step = case(context, batch)
-                q = torch.randn(batch, HEADS, HEAD_DIM)
+                caches, step = case(context, batch, args.tokens)
+                q = torch.randn(batch * args.tokens, HEADS, HEAD_DIM)
                 note = check(modules, q, caches, step, args.differ)
                 times = {"old": [], "new": []}
                 for r in range(args.rounds):
@@ -94,7 +98,7 @@ def main() -> None:
                             modules[name].paged_attention_short(q, k, v, *step)
                         times[name].append((time.perf_counter() - t0) / LAYERS * 1e6)
                 old, new = statistics.median(times["old"]), statistics.median(times["new"])
-                print(f"threads {threads} context {context:5d} batch {batch}: old {old:7.1f}  new {new:7.1f}  "
+                print(f"threads {threads} context {context:5d} batch {batch} tokens {args.tokens}: old {old:7.1f}  new {new:7.1f}  "
                       f"new/old {new / old:.2f}{note}", flush=True)
 
 
