@@ -5,8 +5,9 @@
 
 Each file is built as its own extension (its op library renamed) with the flags specgraph builds with. A case
 is SmolLM2's attention (9 query heads over 3 kv heads, head size 64, pages of 16) for ``batch`` sequences at
-``context`` keys feeding ``--tokens`` tokens each (1: decodes; more: verifies or prefill chunks, causal), over 30 layers' caches (more than any CPU cache at 1,000 keys and up, as in a step, where the
-weights stream between two visits of a layer's cache). The versions alternate, the order flipping every round;
+``context`` keys feeding ``--tokens`` tokens each (1: decodes; more: verifies or prefill chunks, causal), over
+30 layers' caches (more than any CPU cache at 1,000 keys and up, as in a step, where the weights stream between
+two visits of a layer's cache). The versions alternate, the order flipping every round;
 the median of ``--rounds`` rounds is printed. Both must give bitwise the same outputs (checked first), or with
 ``--differ`` (a change of the order of float operations) each must be within the reference's tolerance
 (``paged_attention_ref``), and the largest difference is printed.
@@ -25,6 +26,7 @@ from torch.utils.cpp_extension import load_inline
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import cpu_description  # noqa: E402
+from specgraph.kernels.cpu_kernels import CFLAGS  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, PAGE, LAYERS = 9, 3, 64, 16, 30
 
@@ -33,7 +35,7 @@ def build(name: str, source: Path):
     """``source`` as an extension named ``name`` whose ``paged_attention_short`` is an attribute."""
     return load_inline(name=name, cpp_sources=[source.read_text().replace("specgraph_cpu", name)],
                        functions=["paged_attention_short"],
-                       extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"], extra_ldflags=["-fopenmp"])
+                       extra_cflags=list(CFLAGS), extra_ldflags=["-fopenmp"])
 
 
 def case(context: int, batch: int, tokens: int = 1) -> tuple[list, tuple]:
@@ -98,8 +100,8 @@ def main() -> None:
                             modules[name].paged_attention_short(q, k, v, *step)
                         times[name].append((time.perf_counter() - t0) / LAYERS * 1e6)
                 old, new = statistics.median(times["old"]), statistics.median(times["new"])
-                print(f"threads {threads} context {context:5d} batch {batch} tokens {args.tokens}: old {old:7.1f}  new {new:7.1f}  "
-                      f"new/old {new / old:.2f}{note}", flush=True)
+                print(f"threads {threads} context {context:5d} batch {batch} tokens {args.tokens}: "
+                      f"old {old:7.1f}  new {new:7.1f}  new/old {new / old:.2f}{note}", flush=True)
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ from torch.utils.cpp_extension import load_inline
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import cpu_description  # noqa: E402
+from specgraph.kernels.cpu_kernels import CFLAGS  # noqa: E402
 
 KERNELS = Path(__file__).resolve().parents[1] / "kernels"
 HIDDEN, INTER, KV, VOCAB, LAYERS = 576, 1536, 192, 49152, 30
@@ -46,7 +47,7 @@ def build(name: str, source: Path, quantized: bool, cflags: tuple[str, ...] = ()
             .replace("specgraph_panel", f"{name}_panel"))
     functions = ["quant_linear_cpu"] if quantized else ["set_panel_prefetch"]
     return load_inline(name=name, cpp_sources=[header + text], functions=functions,
-                       extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math", *cflags],
+                       extra_cflags=[*CFLAGS, *cflags],
                        extra_ldflags=["-fopenmp"])
 
 

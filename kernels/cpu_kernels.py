@@ -74,6 +74,8 @@ NATIVE_OPS = ("paged_attention", "cache_write", "pack_panels", "panel_linear", "
               "cache_write_fp8", "cache_write_int4")
 
 _EXTENSION = "specgraph_cpu_kernels"
+#: the flags the extension is built with (and the A/B builds of benchmarks/ab_*.py, to time what runs)
+CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffast-math")
 _lock = threading.Lock()
 _module = None
 _error: str | None = None
@@ -105,7 +107,7 @@ def _build():
                    "paged_attention_mixed_short", "quant_cache_write_cpu", "quant_cache_write_applies",
                    "cache_write_rows", "quant_linear_cpu", "quant_linear_applies", "set_bf16_dots",
                    "set_panel_prefetch", "set_quant_prefetch", "bf16_dot_available"],
-        extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"], extra_ldflags=["-fopenmp"],
+        extra_cflags=list(CFLAGS), extra_ldflags=["-fopenmp"],
         verbose=False)
 
 
