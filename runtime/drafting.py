@@ -189,8 +189,9 @@ class Speculation:
             return drafts
         lengths = (controller.plan(ids, caps, other_tokens, probe=not shadowing, remaining=remaining)
                    if controller is not None else caps)
-        if self.tree is not None and ids and controller.tree_pays(ids, caps, self.tree.max_nodes, other_tokens,
-                                                                  controller.last_rate, remaining):
+        nodes = self.tree.max_nodes + self.extra_tree_nodes if self.tree is not None else 0
+        if self.tree is not None and ids and controller.tree_pays(ids, caps, nodes, other_tokens, controller.last_rate,
+                                                                  remaining):
             return self._draft_trees(decodes)
         wanted, shadows = [], []
         for r, k, cap in zip(decodes, lengths, caps):
@@ -257,13 +258,19 @@ class Speculation:
                 controller.shadow(r.request_id, len(r.all_ids), d.token_ids, d.evidence)
         return drafts
 
+    @property
+    def extra_tree_nodes(self) -> int:
+        """Nodes (and levels) the proposer may add to each tree beyond its shape's: a lookup branch's."""
+        return getattr(self.proposer, "extra_tree_nodes", 0)
+
     def _draft_trees(self, decodes: list[Request]) -> dict[int, Draft]:
-        """Token trees: slots for the largest tree the shape may write are allocated, drafting writes (scratch
-        slots past the sequence's committed ones), and the slots past the drafted tree are given back."""
-        scratch = self.tree.scratch_nodes
+        """Token trees: slots for the largest tree the shape (and the proposer's extra nodes) may write are
+        allocated, drafting writes (scratch slots past the sequence's committed ones), and the slots past the
+        drafted tree are given back."""
+        scratch = self.tree.scratch_nodes + self.extra_tree_nodes
         wanted = []
         for r in decodes:
-            depth = min(self.tree.depth, r.max_new_tokens - len(r.output_ids) - 1)
+            depth = min(max(self.tree.depth, self.extra_tree_nodes), r.max_new_tokens - len(r.output_ids) - 1)
             if r.num_draft_tokens is not None:  # the request's own cap bounds the tree's depth
                 depth = min(depth, r.num_draft_tokens)
             if depth <= 0:

@@ -99,16 +99,17 @@ class Engine:
         shape_given, kind = draft_tree is not None, kind_of(draft)
         if not shape_given and kind is not None:  # (with adaptive, the largest shape the controller may use)
             draft_tree = kind.default_tree
-        tree = None
+        tree, extra = None, kind.extra_tree_nodes if kind is not None else getattr(draft, "extra_tree_nodes", 0)
         if draft_tree is not None:
             if draft is None:
                 raise ValueError(f"draft_tree={draft_tree!r} is given without a draft")
-            tree = parse_tree(draft_tree, MAX_TREE_NODES - 1)
+            tree = parse_tree(draft_tree, MAX_TREE_NODES - 1 - extra)  # (extra: a lookup branch's nodes)
+        tree_stream = 0 if tree is None else 1 + tree.scratch_nodes + extra  # a sequence's tokens in a tree verify
         self._features = kind is not None and kind.features  # the proposer reads the target's hidden states
         self.default_tree = None if tree is None else str(tree)  # the shape given (or the kind's), at build
         options = BackendOptions(kv_dtype=kv_dtype, kv_hot_window=kv_hot_window, weight_dtype=weight_dtype,
                                  weight_calibration=calibration,
-                                 page_size=page_size, tree_nodes=0 if tree is None else 1 + tree.scratch_nodes,
+                                 page_size=page_size, tree_nodes=tree_stream,
                                  hidden_states=self._features,
                                  passes=tuple(passes), dump_dir=dump_dir, self_check=self_check, lowering=lowering,
                                  cuda_graphs=cuda_graphs)
@@ -117,7 +118,7 @@ class Engine:
         if num_cold_blocks is not None and not self.program.hot_cold:
             raise ValueError(f"num_cold_blocks is for a hot/cold cache (kv_dtype fp8 / int4 / adaptive with a hot "
                              f"window); kv_dtype={kv_dtype!r} has one kind of page")
-        drafts = (1 + tree.scratch_nodes) if tree is not None else (num_draft_tokens + 1 if draft is not None else 1)
+        drafts = tree_stream or (num_draft_tokens + 1 if draft is not None else 1)
         self.num_blocks, self.num_cold_blocks = pool_sizes(self.program, kv_cache_memory, num_blocks, num_cold_blocks,
                                                            max_num_seqs, max_tokens_per_step, drafts)
         if self.num_blocks < 2:
@@ -188,10 +189,8 @@ class Engine:
         groups = [self._new_requests(ids, max_new_tokens, temperature, top_p, top_k, seed * 1_000_003 + i * n,
                                      stop, n, ignore_eos, num_draft_tokens) for i, ids in enumerate(prompt_ids)]
         requests = [r for g in groups for r in g]
-        for i, r in enumerate(requests):
-            if on_token is not None:
-                r.on_token = (lambda tok, i=i: on_token(i, tok))
-        for r in requests:  # all checked before any is queued
+        for i, r in enumerate(requests):  # all checked before any is queued
+            r.on_token = None if on_token is None else (lambda tok, i=i: on_token(i, tok))
             self.scheduler.add(r)
         t0 = time.perf_counter()
         while not all(r.finished for r in requests):
@@ -335,7 +334,8 @@ class Engine:
         """Another tree shape (or None: chains), within the nodes the program was compiled for."""
         if self.speculation is None or not self.program.max_tree_nodes:
             raise ValueError("draft_tree can change only on an engine built with a draft and a draft_tree")
-        self.speculation.set_tree(None if spec is None else parse_tree(spec, self.program.max_tree_nodes - 1))
+        room = self.program.max_tree_nodes - 1 - self.speculation.extra_tree_nodes
+        self.speculation.set_tree(None if spec is None else parse_tree(spec, room))
 
     def _measure_target_cost(self):
         """The target's cost by stream size for the controller, once the step graphs it must

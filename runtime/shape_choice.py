@@ -101,4 +101,6 @@ def choose_default_shape(engine, tree: TreeShape, num_draft_tokens: int) -> dict
         return None
     head = getattr(engine.proposer, "head", None)
     identity = head.identity() if head is not None else None
+    if identity is not None and getattr(engine.proposer, "extra_tree_nodes", 0):  # its trees hold a lookup branch
+        identity += f"-{engine.proposer.name}"
     return choose_shape(engine, candidate_shapes(tree, num_draft_tokens), prompts, identity)
