@@ -30,12 +30,17 @@ CALIBRATION_PROMPTS = (
 )
 
 
-def candidate_shapes(tree: TreeShape, num_draft_tokens: int) -> dict[str, tuple[str | None, int]]:
+def candidate_shapes(tree: TreeShape, num_draft_tokens: int, branch: bool = False) -> dict[str, tuple[str | None, int]]:
     """The shapes to time, by label: the tree (``draft_tree``, ``num_draft_tokens`` as given) and each chain
-    of ``k = 1 .. min(depth, num_draft_tokens)`` drafts (no tree)."""
+    of ``k = 1 .. min(depth, num_draft_tokens)`` drafts (no tree). ``branch``: the proposer adds a lookup
+    branch to its trees only (``proposers/lookup_branch.py``), so each chain is also timed as a one-path
+    tree, ``static:1,...,1``, which takes the branch beside it."""
     shapes: dict[str, tuple[str | None, int]] = {str(tree): (str(tree), num_draft_tokens)}
     for k in range(1, min(tree.depth, num_draft_tokens) + 1):
         shapes[f"chain {k}"] = (None, k)
+        if branch:
+            path = "static:" + ",".join(["1"] * k)
+            shapes.setdefault(path, (path, num_draft_tokens))
     return shapes
 
 
@@ -101,6 +106,7 @@ def choose_default_shape(engine, tree: TreeShape, num_draft_tokens: int) -> dict
         return None
     head = getattr(engine.proposer, "head", None)
     identity = head.identity() if head is not None else None
-    if identity is not None and getattr(engine.proposer, "extra_tree_nodes", 0):  # its trees hold a lookup branch
+    branch = getattr(engine.proposer, "extra_tree_nodes", 0) > 0  # its trees hold a lookup branch
+    if identity is not None and branch:
         identity += f"-{engine.proposer.name}"
-    return choose_shape(engine, candidate_shapes(tree, num_draft_tokens), prompts, identity)
+    return choose_shape(engine, candidate_shapes(tree, num_draft_tokens, branch), prompts, identity)

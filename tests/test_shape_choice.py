@@ -31,6 +31,10 @@ def test_the_candidates_are_the_tree_and_the_chains_within_its_depth():
     assert candidate_shapes(parse_tree("static:2,1,1", 16), 4) == {
         "static:2,1,1": ("static:2,1,1", 4), "chain 1": (None, 1), "chain 2": (None, 2), "chain 3": (None, 3)}
     assert list(candidate_shapes(parse_tree("static:2,1,1", 16), 2)) == ["static:2,1,1", "chain 1", "chain 2"]
+    # a proposer that adds a lookup branch to its trees: each chain also as a one-path tree
+    assert list(candidate_shapes(parse_tree("static:2,1,1", 16), 2, branch=True)) == [
+        "static:2,1,1", "chain 1", "static:1", "chain 2", "static:1,1"]
+    assert candidate_shapes(parse_tree("static:1,1", 16), 4, branch=True)["static:1,1"] == ("static:1,1", 4)
 
 
 def test_calibration_prompts_need_a_chat_template():
