@@ -123,7 +123,8 @@ def test_eagle_with_a_lookup_branch_is_lossless_greedy(tiny_head, tree):  # noqa
     model, out, _ = tiny_head
     prompts, _ = _patterned(VOCAB)
     plain = specgraph.Engine(model, num_blocks=64, page_size=8)
-    assert specgraph.Engine(model, num_blocks=64, page_size=8, draft=f"eagle:{out}+ngram").draft_tree == "static:2,1,1"
+    adaptive = specgraph.Engine(model, num_blocks=64, page_size=8, draft=f"eagle:{out}+ngram")
+    assert adaptive.draft_tree == "static:2,1,1" and adaptive.adaptive  # the controller's largest shape
     spec = specgraph.Engine(model, num_blocks=64, page_size=8, draft=f"eagle:{out}+ngram", draft_tree="dynamic:6",
                             adaptive=False)
     assert isinstance(spec.proposer, LookupBranch)
@@ -132,6 +133,7 @@ def test_eagle_with_a_lookup_branch_is_lossless_greedy(tiny_head, tree):  # noqa
     for batch in (prompts[:1], prompts[3:7]):
         want = [r.token_ids for r in plain.generate(batch, max_new_tokens=16, ignore_eos=True)]
         assert [r.token_ids for r in spec.generate(batch, max_new_tokens=16, ignore_eos=True)] == want
+        assert [r.token_ids for r in adaptive.generate(batch, max_new_tokens=16, ignore_eos=True)] == want
     assert spec.stats["mean_accepted_tokens"] > 1.2
 
 
