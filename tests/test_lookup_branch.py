@@ -146,11 +146,18 @@ def test_the_engine_verifies_the_branch_nodes_past_the_shape():
     proposer = LookupBranch(_ScriptedTrees([VOCAB - 1, VOCAB - 2, VOCAB - 1], [-1, -1, 0]))
     spec = specgraph.Engine(model, num_blocks=64, page_size=8, draft=proposer, draft_tree="static:2,1", adaptive=False)
     assert spec.program.max_tree_nodes == 1 + 4 + BRANCH_NODES
-    sizes = _record_tree_sizes(spec)
+    sizes, depths, propose_tree = _record_tree_sizes(spec), [], spec.proposer.propose_tree
+
+    def recorded(requests, shape):
+        depths.extend(r.k for r in requests)
+        return propose_tree(requests, shape)
+
+    spec.proposer.propose_tree = recorded
     for batch in (prompts[:1], prompts[3:7]):
         want = [r.token_ids for r in plain.generate(batch, max_new_tokens=24, ignore_eos=True)]
         assert [r.token_ids for r in spec.generate(batch, max_new_tokens=24, ignore_eos=True)] == want
     assert max(sizes) > 3 and spec.stats["accepted_tokens"] > 0
+    assert max(depths) == BRANCH_NODES  # a branch may run deeper than the shape's 2 levels
 
 
 def test_a_lookup_branch_keeps_the_sampling_distribution():
