@@ -134,7 +134,8 @@ def _register_native_fakes() -> None:
 
     @torch.library.register_fake("specgraph_cpu::pack_panels")
     def _(w):
-        return w.new_empty((-(-w.shape[0] // 64), w.shape[1], 64))
+        width = torch.ops.specgraph_cpu.panel_width()
+        return w.new_empty((-(-w.shape[0] // width), w.shape[1], width))
 
     @torch.library.register_fake("specgraph_cpu::panel_linear")
     def _(x, panels, bias, n):

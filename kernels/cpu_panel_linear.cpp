@@ -12,7 +12,7 @@
 // it into the panel's row k (contiguous vectors), so there is no horizontal reduction at all, and a
 // panel is read from memory once per call and then from L1 for every further tile of rows (k is
 // walked in spans, see panel_rows).
-// Tiles: R rows of x by a whole panel row in registers (AVX-512: 6 x 4 vectors, AVX2: 1 x 8, the
+// Tiles: R rows of x by a whole panel row in registers (6 x 4 vectors with AVX-512, 6 x 2 with AVX2: the
 // accumulators, the weight vectors and a broadcast within the register file). Work items are
 // (panel range, row block) pairs over torch's threads. Without AVX2 the same FMA chains run as
 // scalar std::fma loops.
@@ -26,7 +26,18 @@
 
 namespace specgraph_panel {
 
-constexpr int64_t kPanel = 64;  // output columns per panel (4 AVX-512 / 8 AVX2 vectors)
+// Output columns per panel: 4 AVX-512 vectors (256 bytes a row of k), 2 AVX2 vectors (64 bytes: one cache
+// line), 64 floats for the scalar loops. The AVX2 panel was 8 vectors wide, so a tile held 1 row (8
+// accumulators and 8 weight vectors fill the 16 registers) and a verify's further rows re-read every panel
+// row from L1; 2 vectors let a tile hold 6 rows, so up to 6 rows of x take each weight from memory once
+// with all their FMAs under the stream. SmolLM2's linears, 2 threads, an AMD EPYC with AVX2, interleaved
+// medians (benchmarks/ab_kernel.py): 1 row 24.7 -> 24.3 ms, 2 rows 28.5 -> 22.9, 4 rows 27.6 -> 22.9,
+// 6 rows 35.1 -> 28.8, 8 rows 40.8 -> 35.6, 12 rows 48.2 -> 36.6, 64 rows 163 -> 148; bitwise the same.
+#ifdef SPECGRAPH_AVX2
+constexpr int64_t kPanel = FloatVec::kWidth * (FloatVec::kRegisters >= 32 ? 4 : 2);
+#else
+constexpr int64_t kPanel = 64;
+#endif
 constexpr int64_t kRowBlock = 64;  // rows of x per work item
 
 // prefetch distances in panel rows of k (0: none) for calls of 1 row of x and of more
@@ -35,12 +46,11 @@ static int64_t g_ahead_single = 0, g_ahead_multi = 16;
 #ifdef SPECGRAPH_AVX2
 using Vec = FloatVec;
 constexpr int kWidth = Vec::kWidth;
-// A tile spans a whole panel row (4 AVX-512 / 8 AVX2 vectors), so every call reads the panel in address
-// order, one 256-byte row of k after the other. (AVX2 tiles of 2 rows x 4 vectors read each row's left
-// half over all of k, then its right half. SmolLM2's linears, 2 threads, an AMD EPYC with AVX2, interleaved
-// medians: 1 row 22.3 -> 20.0 ms, 2 rows 27.1 -> 25.5, 4 rows 30.1 -> 28.5, 8 and 64 rows alike.)
+// A tile spans a whole panel row, so every call reads the panel in address order, one row of k after the
+// other. (Tiles of part of a panel row read each row's left part over all of k, then its right part: with
+// the 8-vector AVX2 panel, 2 x 4 tiles were slower than 1 x 8 on an AMD EPYC, 1 row 20.0 -> 22.3 ms.)
 constexpr int kVecs = kPanel / kWidth;  // panel vectors per tile
-constexpr int kTileRows = std::max(1, (Vec::kRegisters - kVecs - 2) / kVecs);  // 6 (AVX-512) or 1 (AVX2)
+constexpr int kTileRows = std::max(1, (Vec::kRegisters - kVecs - 2) / kVecs);  // 6 (AVX-512 and AVX2)
 
 constexpr int kLines = kPanel * 4 / 64;  // 64-byte lines per panel row of k
 
@@ -106,10 +116,11 @@ static inline void rows_span(int64_t rows, float* acc, const float* x, const flo
 // output's FMA chain is unchanged.
 // The first tile of a span prefetches `ahead` rows of k ahead (measured, kernels/prefetch.py); the next
 // kLines tiles, which read the span from L1, each prefetch one line of every row of the next span, so the
-// memory works while they compute. SmolLM2's linears, 2 threads, an AMD EPYC with AVX2, interleaved medians:
+// memory works while they compute. SmolLM2's linears, 2 threads, an AMD EPYC with AVX2 (the 8-vector panel then),
+// interleaved medians:
 // 2 rows 23.0 -> 22.2 ms, 4 rows 29.0 -> 27.2, 8 rows 35.8 -> 31.6, 64 rows 163 -> 137, 256 rows 648 -> 537,
 // 1 row alike (not yet measured with AVX-512, where only 7 rows and more have a second tile).
-constexpr int64_t kSpan = 64;
+constexpr int64_t kSpan = 16384 / (kPanel * 4);  // panel rows of k in 16 KiB
 
 static void panel_rows(const float* x, const float* panel, const float* b, float* y, int64_t M, int64_t K,
                        int64_t N, int64_t col, int64_t ahead) {
@@ -200,7 +211,13 @@ std::vector<int64_t> set_panel_prefetch(int64_t single, int64_t multi) {
 TORCH_LIBRARY_FRAGMENT(specgraph_cpu, m) {
   m.def("pack_panels(Tensor w) -> Tensor");
   m.def("panel_linear(Tensor x, Tensor panels, Tensor? bias, int n) -> Tensor");
+  m.def("panel_width() -> int");
 }
+
+// output columns per panel of this build (pack_panels' last dimension)
+int64_t panel_width() { return specgraph_panel::kPanel; }
+
+TORCH_LIBRARY_IMPL(specgraph_cpu, CatchAll, m) { m.impl("panel_width", &panel_width); }
 
 TORCH_LIBRARY_IMPL(specgraph_cpu, CPU, m) {
   m.impl("pack_panels", &pack_panels);

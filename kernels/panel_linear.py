@@ -1,8 +1,9 @@
 """The batch-invariant float32 linear on CPU (``specgraph_cpu::panel_linear``, ``cpu_panel_linear.cpp``).
 
 **Contract.** ``panel_linear(x, panels, bias, n)``: ``x [..., K]`` float32, ``panels`` the weight
-``w [n, K]`` as :func:`pack_panels_ref` lays it out (``[ceil(n / 64), K, 64]``: output columns in
-panels of 64, k-major, zero past ``n``), optional ``bias [n]``; returns ``x @ w.T + bias``
+``w [n, K]`` as :func:`pack_panels_ref` lays it out (``[ceil(n / W), K, W]``: output columns in
+panels of ``W =`` :func:`panel_width` (16 in an AVX2 build, 64 with AVX-512 or without either), k-major,
+zero past ``n``), optional ``bias [n]``; returns ``x @ w.T + bias``
 ``[..., n]``. Each output is one FMA chain over ``k = 0 .. K-1`` in order, the bias added last, so
 a row's result is bitwise the same whatever the other rows of ``x`` are: how many, how they are
 tiled, how the threads split them. That is what makes speculation emit exactly the tokens plain
@@ -15,7 +16,10 @@ results part from row count to row count in the last bits.)
 rows 30.7 (34.8, 45.9), 64 rows 96 (94), 256 rows 350 (342). ``benchmarks/bench_gemm.py`` compares
 them on the model's shapes. A call of more rows than one register tile (7 and up with AVX-512) walks ``k``
 in L1-sized spans, every tile of rows taking a span in turn, so the weights stream from memory once (on
-an Intel Xeon: 8 rows 26.5 -> 24.6 ms, 1 row 20.4).
+an Intel Xeon: 8 rows 26.5 -> 24.6 ms, 1 row 20.4). With AVX2 (16 columns a panel, so a tile holds 6
+rows; an AMD EPYC, 2 threads, ``benchmarks/ab_kernel.py``): 1 row 24.3 ms, 4 rows 22.9, 8 rows 35.6, 12
+rows 36.6, where the 64-column panel of before took 24.7, 27.6, 40.8 and 48.2: a verify of up to 6 tokens
+reads each weight once with every FMA under the stream.
 
 **Prefetch.** The kernel prefetches the panel some rows of ``k`` ahead, one distance for calls of
 1 row and one for more, set by timing the model's own weights (``kernels/prefetch.py``; on an Intel
@@ -34,17 +38,23 @@ import torch
 
 from . import huge_pages
 
-PANEL = 64  # output columns per panel (cpu_panel_linear.cpp kPanel)
-
 _packed: dict[int, tuple[weakref.ref, torch.Tensor]] = {}  # id(weight) -> (the weight, its panels)
 
 
-def pack_panels_ref(w: torch.Tensor) -> torch.Tensor:
-    """``w [n, K]`` -> panels ``[ceil(n / 64), K, 64]``: ``panels[p, k, c] = w[64 p + c, k]``, zero past ``n``."""
+def panel_width() -> int:
+    """Output columns per panel of the built kernel (``cpu_panel_linear.cpp``'s ``kPanel``: a tile holds 6 rows
+    of x by one panel row in vector registers, so 2 AVX2 or 4 AVX-512 vectors)."""
+    return torch.ops.specgraph_cpu.panel_width()
+
+
+def pack_panels_ref(w: torch.Tensor, width: int | None = None) -> torch.Tensor:
+    """``w [n, K]`` -> panels ``[ceil(n / W), K, W]``: ``panels[p, k, c] = w[W p + c, k]``, zero past ``n``
+    (``W = width`` or :func:`panel_width`)."""
+    width = width or panel_width()
     n, k = w.shape
-    padded = torch.zeros(-(-n // PANEL) * PANEL, k, dtype=w.dtype)
+    padded = torch.zeros(-(-n // width) * width, k, dtype=w.dtype)
     padded[:n] = w
-    return padded.view(-1, PANEL, k).transpose(1, 2).contiguous()
+    return padded.view(-1, width, k).transpose(1, 2).contiguous()
 
 
 def panel_linear_ref(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
