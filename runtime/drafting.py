@@ -311,7 +311,11 @@ class Speculation:
         rid = r.request_id
         if rid in self.tree_ids:  # a tree's accepted root path; its first-child chain tells the chain estimate
             self.controller.observe_tree(rid, self.tree.depth, len(path))
-            self.controller.observe_decode(rid, *chain_in_tree(draft.parents, path))
+            # (a lookup branch that follows the first-child chain to its end hangs its rest below it, so the
+            # chain may run past the shape's depth: only the levels a chain of the proposer could hold count)
+            chain, kept = chain_in_tree(draft.parents, path)
+            chain = min(chain, self.tree.depth, self.controller.max_drafts)
+            self.controller.observe_decode(rid, chain, min(kept, chain))
             return
         self.controller.observe_decode(rid, len(draft.token_ids) if draft is not None else 0, len(path),
                                        draft.evidence if draft is not None else None)

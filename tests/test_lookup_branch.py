@@ -175,3 +175,21 @@ def test_a_lookup_branch_keeps_the_sampling_distribution():
     results = engine.generate([prompt] * n, max_new_tokens=3, temperature=1.0, seed=1, ignore_eos=True)
     assert sum(size > 2 for size in sizes) > n // 2  # most trees hold a branch (each token seen before matches)
     assert _passes(torch.tensor([r.token_ids for r in results]), marginals)
+
+
+def test_a_branch_that_extends_the_first_chain_teaches_the_chain_estimate_only_the_shapes_depth():
+    """The lookup branch follows the tree's first-child chain to its end and hangs the rest below it, so that
+    chain runs deeper than the shape and than the controller's chain positions: the controller learns the
+    levels a chain could hold (it raised an IndexError when a verify accepted such a tree under the controller)."""
+    model = tiny_llama(vocab=VOCAB)
+    engine = specgraph.Engine(model, num_blocks=64, page_size=8, draft=LookupBranch(_ScriptedTrees([5, 6], [-1, 0])),
+                              draft_tree="static:1,1", num_draft_tokens=2)
+    speculation = engine.speculation
+    controller = speculation.ready_controller()
+    assert controller is not None and controller.max_drafts == 2
+    (request,) = engine.submit([1, 2, 3], max_new_tokens=16)
+    tree = Draft([5, 6, 7, 8, 9, 10], parents=[-1, 0, 1, 2, 3, 4])  # the branch [5, 6, 7, ...] extended the chain
+    speculation.tree_ids.add(request.request_id)
+    speculation.observe_decode(request, tree, [1, 2, 3, 4, 5, 6])
+    acceptance = controller.acceptance(request.request_id)
+    assert len(acceptance.tries) == 2 and all(t > 0 for t in acceptance.tries) and acceptance.rates()[1] > 0.5
