@@ -177,19 +177,22 @@ def test_a_lookup_branch_keeps_the_sampling_distribution():
     assert _passes(torch.tensor([r.token_ids for r in results]), marginals)
 
 
-def test_a_branch_that_extends_the_first_chain_teaches_the_chain_estimate_only_the_shapes_depth():
+@pytest.mark.parametrize("shape, k, learned", [("static:1,1", 4, 2), ("static:1,1,1", 2, 2)])
+def test_a_branch_that_extends_the_first_chain_teaches_the_chain_estimate_only_what_a_chain_holds(shape, k, learned):
     """The lookup branch follows the tree's first-child chain to its end and hangs the rest below it, so that
-    chain runs deeper than the shape and than the controller's chain positions: the controller learns the
-    levels a chain could hold (it raised an IndexError when a verify accepted such a tree under the controller)."""
+    chain runs deeper than the shape and than the controller's chain positions (``num_draft_tokens``): the
+    controller learns the levels a chain could hold, the shape's depth within its positions (it raised an
+    IndexError when a verify accepted such a tree under the controller)."""
     model = tiny_llama(vocab=VOCAB)
     engine = specgraph.Engine(model, num_blocks=64, page_size=8, draft=LookupBranch(_ScriptedTrees([5, 6], [-1, 0])),
-                              draft_tree="static:1,1", num_draft_tokens=2)
+                              draft_tree=shape, num_draft_tokens=k)
     speculation = engine.speculation
     controller = speculation.ready_controller()
-    assert controller is not None and controller.max_drafts == 2
+    assert controller is not None and controller.max_drafts == k
     (request,) = engine.submit([1, 2, 3], max_new_tokens=16)
     tree = Draft([5, 6, 7, 8, 9, 10], parents=[-1, 0, 1, 2, 3, 4])  # the branch [5, 6, 7, ...] extended the chain
     speculation.tree_ids.add(request.request_id)
     speculation.observe_decode(request, tree, [1, 2, 3, 4, 5, 6])
-    acceptance = controller.acceptance(request.request_id)
-    assert len(acceptance.tries) == 2 and all(t > 0 for t in acceptance.tries) and acceptance.rates()[1] > 0.5
+    tries = controller.acceptance(request.request_id).tries
+    assert len(tries) == k and all(t > 0 for t in tries[:learned]) and not any(tries[learned:])
+    assert controller.acceptance(request.request_id).rates()[learned - 1] > 0.5
