@@ -47,10 +47,10 @@ def panel_width() -> int:
     return torch.ops.specgraph_cpu.panel_width()
 
 
-def pack_panels_ref(w: torch.Tensor, width: int | None = None) -> torch.Tensor:
+def pack_panels_ref(w: torch.Tensor) -> torch.Tensor:
     """``w [n, K]`` -> panels ``[ceil(n / W), K, W]``: ``panels[p, k, c] = w[W p + c, k]``, zero past ``n``
-    (``W = width`` or :func:`panel_width`)."""
-    width = width or panel_width()
+    (``W =`` :func:`panel_width`)."""
+    width = panel_width()
     n, k = w.shape
     padded = torch.zeros(-(-n // width) * width, k, dtype=w.dtype)
     padded[:n] = w
