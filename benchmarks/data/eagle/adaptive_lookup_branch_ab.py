@@ -8,14 +8,16 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 import specgraph  # noqa: E402
+from common import cpu_description  # noqa: E402
 from prompts import HELDOUT_CHAT_PROMPTS, HELDOUT_CODE_PROMPTS  # noqa: E402
 from specgraph.runtime.heads.distill_data import chat_ids  # noqa: E402
 torch.set_num_threads(2)
+print(f"cpu: {cpu_description()}; threads 2", flush=True)
 model, tok = specgraph.load_model("smollm2-135m-instruct")
 engines = {"none": specgraph.Engine(model, tokenizer=tok), "eagle": specgraph.Engine(model, tokenizer=tok, draft="eagle"),
            "eagle+ngram": specgraph.Engine(model, tokenizer=tok, draft="eagle+ngram")}
 for name, prompts in {"code": HELDOUT_CODE_PROMPTS, "chat": HELDOUT_CHAT_PROMPTS}.items():
-    tokens = dict.fromkeys(engines, 0); secs = dict.fromkeys(engines, 0.0); fwd = dict.fromkeys(engines, 0); outs = {}
+    tokens = dict.fromkeys(engines, 0); secs = dict.fromkeys(engines, 0.0); outs = {}
     for e in engines.values():
         e.generate([chat_ids(tok, prompts[0])], max_new_tokens=8); e.reset_stats()
     for i, p in enumerate(prompts):
