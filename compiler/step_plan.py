@@ -166,16 +166,16 @@ def set_prefetch(gm: fx.GraphModule, key: str | None, panel_linears: bool) -> st
 
 
 def _kept_prefetch(kept, floats: bool, quantized: bool) -> tuple[list[int] | None, int | None, str] | None:
-    """A prefetch choice :func:`set_prefetch` kept: the panel kernel's two distances (wanted with ``floats``),
+    """A prefetch choice :func:`set_prefetch` kept: the panel kernel's three distances (wanted with ``floats``),
     the quantized kernel's (with ``quantized``), all ints >= 0, and its line; None where nothing is kept or
-    what is kept is not that (an older format, a damaged file)."""
+    what is kept is not that (an older format, such as the two panel distances of before, or a damaged file)."""
     def distance(d) -> bool:
         return isinstance(d, int) and not isinstance(d, bool) and d >= 0
 
     if not isinstance(kept, dict) or not isinstance(kept.get("line"), str):
         return None
     panel, quant = kept.get("panel"), kept.get("quant")
-    if floats and not (isinstance(panel, list) and len(panel) == 2 and all(map(distance, panel))):
+    if floats and not (isinstance(panel, list) and len(panel) == 3 and all(map(distance, panel))):
         return None
     if quantized and not distance(quant):
         return None

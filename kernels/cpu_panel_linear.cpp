@@ -40,8 +40,12 @@ constexpr int64_t kPanel = 64;
 #endif
 constexpr int64_t kRowBlock = 64;  // rows of x per work item
 
-// prefetch distances in panel rows of k (0: none) for calls of 1 row of x and of more
-static int64_t g_ahead_single = 0, g_ahead_multi = 16;
+// prefetch distances in panel rows of k (0: none) for a row block of x of 1 row, of rows one register tile
+// holds (kTileRows: every k walked once by one tile), and of more (k walked in L1 spans by several tiles). The
+// classes want their own: on an AMD EPYC with AVX2 (weights in huge pages, SmolLM2's linears) 3 and 4 rows
+// ran 5-10% faster at 16 rows ahead than at 32, where 8 and 12 rows ran alike from 16 to 48; one distance
+// for both, timed over 4 and 8 rows together, came out 16 on one build and 32 on another.
+static int64_t g_ahead_single = 0, g_ahead_tile = 16, g_ahead_spans = 16;
 
 #ifdef SPECGRAPH_AVX2
 using Vec = FloatVec;
@@ -122,9 +126,15 @@ static inline void rows_span(int64_t rows, float* acc, const float* x, const flo
 // 1 row alike (not yet measured with AVX-512, where only 7 rows and more have a second tile).
 constexpr int64_t kSpan = 16384 / (kPanel * 4);  // panel rows of k in 16 KiB
 
+// the distance for a row block of M rows
+static int64_t prefetch_ahead(int64_t M) {
+  return M == 1 ? g_ahead_single : M <= kTileRows ? g_ahead_tile : g_ahead_spans;
+}
+
 static void panel_rows(const float* x, const float* panel, const float* b, float* y, int64_t M, int64_t K,
-                       int64_t N, int64_t col, int64_t ahead) {
+                       int64_t N, int64_t col) {
   alignas(64) float acc[kRowBlock * kPanel];
+  const int64_t ahead = std::min(prefetch_ahead(M), K);
   const int64_t span = M <= kTileRows ? K : kSpan;  // one tile: no need to split k
   for (int64_t k0 = 0; k0 < K; k0 += span) {
     const int64_t k1 = std::min(K, k0 + span);
@@ -140,7 +150,7 @@ static void panel_rows(const float* x, const float* panel, const float* b, float
 }
 #else
 static void panel_rows(const float* x, const float* panel, const float* b, float* y, int64_t M, int64_t K,
-                       int64_t N, int64_t col, int64_t /*ahead*/) {
+                       int64_t N, int64_t col) {
   const int64_t cols = std::min<int64_t>(kPanel, N - col);
   for (int64_t m = 0; m < M; ++m)
     for (int64_t c = 0; c < cols; ++c) {
@@ -186,25 +196,26 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, c10::optional<
   float* yp = y.data_ptr<float>();
   if (M == 0) return y.view(out_shape);
   const int64_t row_blocks = (M + kRowBlock - 1) / kRowBlock;
-  const int64_t ahead = std::min<int64_t>(M == 1 ? g_ahead_single : g_ahead_multi, K);
   // items: (row block, panel); a thread's items are contiguous, so it walks its panels once per row block
   at::parallel_for(0, row_blocks * P, 1, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t rb = i / P, p = i % P, m0 = rb * kRowBlock, rows = std::min<int64_t>(kRowBlock, M - m0);
-      panel_rows(xp + m0 * K, wp + p * K * kPanel, bp, yp + m0 * n, rows, K, n, p * kPanel, ahead);
+      panel_rows(xp + m0 * K, wp + p * K * kPanel, bp, yp + m0 * n, rows, K, n, p * kPanel);
     }
   });
   return y.view(out_shape);
 }
 
-// sets the prefetch distances (panel rows of k ahead, 0: none) for calls of 1 row and of more;
-// returns the previous pair
-std::vector<int64_t> set_panel_prefetch(int64_t single, int64_t multi) {
+// sets the prefetch distances (panel rows of k ahead, 0: none) for row blocks of 1 row, of one register tile's
+// rows and of more (see g_ahead_single); returns the previous three
+std::vector<int64_t> set_panel_prefetch(int64_t single, int64_t tile, int64_t spans) {
   using namespace specgraph_panel;
-  TORCH_CHECK(single >= 0 && multi >= 0, "set_panel_prefetch: distances must be >= 0; got ", single, ", ", multi);
-  std::vector<int64_t> previous{g_ahead_single, g_ahead_multi};
+  TORCH_CHECK(single >= 0 && tile >= 0 && spans >= 0, "set_panel_prefetch: distances must be >= 0; got ", single,
+              ", ", tile, ", ", spans);
+  std::vector<int64_t> previous{g_ahead_single, g_ahead_tile, g_ahead_spans};
   g_ahead_single = single;
-  g_ahead_multi = multi;
+  g_ahead_tile = tile;
+  g_ahead_spans = spans;
   return previous;
 }
 

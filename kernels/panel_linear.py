@@ -21,8 +21,9 @@ rows; an AMD EPYC, 2 threads, ``benchmarks/ab_kernel.py``): 1 row 24.3 ms, 4 row
 rows 36.6, where the 64-column panel of before took 24.7, 27.6, 40.8 and 48.2: a verify of up to 6 tokens
 reads each weight once with every FMA under the stream.
 
-**Prefetch.** The kernel prefetches the panel some rows of ``k`` ahead, one distance for calls of
-1 row and one for more, set by timing the model's own weights (``kernels/prefetch.py``; on an Intel
+**Prefetch.** The kernel prefetches the panel some rows of ``k`` ahead, one distance for row blocks of
+1 row, one for those one register tile holds (verifies, small batches) and one for more, each set by timing
+the model's own weights (``kernels/prefetch.py``; on an Intel
 Xeon with AVX-512: 4 rows 25.0 -> 18.5 ms, 8 rows 30.1 -> 22.6 ms, 1 row best without). A prefetch
 changes no arithmetic: results are bitwise the same at any distance.
 

@@ -23,7 +23,16 @@ from typing import Callable
 
 import torch
 
-ROWS = (1, 4, 8)  # row counts of x timed: a decode; verifies and small batches
+from .paired_timing import clearly_faster, median_ratio
+
+ROWS = (1, 2, 4, 8)  # row counts of x timed: a decode; verifies and small batches
+#: the panel kernel's classes of row blocks, in ``set_panel_prefetch``'s order: 1 row; the rows one register tile
+#: holds (the C++ kernel's kTileRows, 6 in every build that prefetches); more, walked in L1 spans by several
+#: tiles. Each with the row counts of ROWS that time it and the distance it keeps unless another is clearly
+#: faster (the C++ defaults): none for 1 row, whose stream the hardware prefetchers keep up with (an Intel Xeon:
+#: 17.0 ms with none, 17.9-18.9 with one); 16 rows for more, which fall short without one (the Xeon: 4 rows 25.0
+#: ms with none, 18.5 at 16; an AMD EPYC with AVX2: 3 rows about 10% slower with none than at 16).
+PANEL_CLASSES = (("single", (1,), 0), ("tile", (2, 4), 16), ("spans", (8,), 16))
 PANEL_DISTANCES = (0, 8, 16, 32)  # panel rows of k ahead (0: no prefetch)
 QUANT_DISTANCES = (1024, 2048, 4096, 8192, 16384)  # bytes ahead of each weight row's stream
 
@@ -44,28 +53,17 @@ def _timings(set_distance: Callable[[int], None], run: Callable[[int], None], di
     return times
 
 
-def _ratios(times, d: int, base: int, rows: int) -> list[float]:
-    """Distance ``d``'s time over ``base``'s at ``rows`` rows, per round (the two measured in the same round)."""
-    return [t / b for t, b in zip(times[d, rows], times[base, rows])]
-
-
 def _relative(times, d: int, base: int, rows: int) -> float:
-    """The median of :func:`_ratios`, so that a load swing lasting longer than a round does not decide (the
-    fastest-of-3 times once did: on an AMD EPYC with AVX2, 1 row measured 20.9 ms with no prefetch and 16.3 at
-    32 rows ahead in a noisy minute)."""
-    return statistics.median(_ratios(times, d, base, rows))
+    """Distance ``d``'s time over ``base``'s at ``rows`` rows: the median same-round ratio (``paired_timing``)."""
+    return median_ratio(times[d, rows], times[base, rows])
 
 
 def _clearly_faster(times, d: int, base: int, row_counts, margin: float = 0.03) -> bool:
     """Whether distance ``d`` beat ``base`` at each of ``row_counts``: by ``margin`` in the median same-round
-    ratio, and in at least 4 rounds of 5. (A distance that wins only some rounds is noise; none cannot hurt much.
+    ratio, and in at least 80% of the rounds. (A distance that wins only some rounds is noise.
     On an AMD EPYC with AVX2 one build measured 32 rows ahead 9% faster than none for 1 row, where decoding
     in the Engine then ran 11% slower with it: 43.5 against 48.5 tok/s, interleaved in one process.)"""
-    for rows in row_counts:
-        ratios = _ratios(times, d, base, rows)
-        if statistics.median(ratios) > 1 - margin or sum(r < 1 for r in ratios) < 0.8 * len(ratios):
-            return False
-    return True
+    return all(clearly_faster(times[d, rows], times[base, rows], margin) for rows in row_counts)
 
 
 def _table(times, distances, unit: str) -> str:
@@ -74,18 +72,22 @@ def _table(times, distances, unit: str) -> str:
         f" ms (medians) at {'/'.join(map(str, distances))} {unit} ahead"
 
 
-def choose_panel_prefetch(weights: list[torch.Tensor], repeats: int = 5) -> tuple[tuple[int, int], str]:
-    """Set the panel kernel's distances (``set_panel_prefetch``) from timings over ``weights`` (the model's
-    float32 ``[N, K]`` linear weights), each distance against none in the same round (:func:`_relative`):
-    for calls of 1 row the fastest of :data:`PANEL_DISTANCES`, for more rows the fastest over 4 and 8 rows
-    together, each only where it is clearly faster than none (:func:`_clearly_faster`), else none. Returns
-    the pair and a line saying what was measured."""
+def choose_panel_prefetch(weights: list[torch.Tensor], repeats: int = 9) -> tuple[tuple[int, int, int], str]:
+    """Set the panel kernel's three distances (``set_panel_prefetch``: row blocks of 1 row, of one register
+    tile's rows, of more) from timings over ``weights`` (the model's float32 ``[N, K]`` linear weights): for each
+    class of :data:`PANEL_CLASSES` the fastest of :data:`PANEL_DISTANCES` over its row counts together, each
+    against the class's default in the same round (:func:`_relative`), and only where it is clearly faster than
+    the default (:func:`_clearly_faster`), else the default. Returns the three and a line saying what was
+    measured. (One distance for all calls of more than 1 row, timed over 4 and 8 rows together against none,
+    came out 16 on one build and 32 on another of an AMD EPYC, where 2-4 rows ran 5-10% faster at 16 and 8 rows
+    alike, and none on a third, whose 5 rounds did not show 16 clearly faster than none: an EAGLE chain of 2
+    decoded 1.26x no speculation at 16 and 1.15x at 32.)"""
     from . import cpu_kernels
     from .panel_linear import packed
 
     module, panel_linear = cpu_kernels.load(), cpu_kernels.native_op("panel_linear")
     if module is None or panel_linear is None or not weights:
-        return (0, 0), "no panel kernel" if weights else "no float32 linears"
+        return (0, 0, 0), "no panel kernel" if weights else "no float32 linears"
     panels = [(packed(w), w.shape[0]) for w in weights]
     x = {rows: {w.shape[1]: torch.randn(rows, w.shape[1]) for w in weights} for rows in ROWS}
 
@@ -93,19 +95,19 @@ def choose_panel_prefetch(weights: list[torch.Tensor], repeats: int = 5) -> tupl
         for (p, n), w in zip(panels, weights):
             panel_linear(x[rows][w.shape[1]], p, None, n)
 
-    previous = module.set_panel_prefetch(0, 0)
+    previous = module.set_panel_prefetch(0, 0, 0)
     try:
-        times = _timings(lambda d: module.set_panel_prefetch(d, d), run, PANEL_DISTANCES, repeats)
+        times = _timings(lambda d: module.set_panel_prefetch(d, d, d), run, PANEL_DISTANCES, repeats)
     finally:
         module.set_panel_prefetch(*previous)
-    many = [rows for rows in ROWS if rows > 1]
-    single = min(PANEL_DISTANCES, key=lambda d: _relative(times, d, 0, 1))
-    single = single if _clearly_faster(times, single, 0, [1]) else 0
-    multi = min(PANEL_DISTANCES, key=lambda d: sum(_relative(times, d, 0, rows) for rows in many))
-    multi = multi if _clearly_faster(times, multi, 0, many) else 0
-    module.set_panel_prefetch(single, multi)
-    return (single, multi), (f"panel linears: {_table(times, PANEL_DISTANCES, 'panel rows')} -> {single} ahead "
-                             f"for 1 row, {multi} for more")
+    chosen = []
+    for _, rows, default in PANEL_CLASSES:
+        best = min(PANEL_DISTANCES, key=lambda d: sum(_relative(times, d, default, r) for r in rows))
+        chosen.append(best if best != default and _clearly_faster(times, best, default, rows) else default)
+    single, tile, spans = chosen
+    module.set_panel_prefetch(single, tile, spans)
+    return (single, tile, spans), (f"panel linears: {_table(times, PANEL_DISTANCES, 'panel rows')} -> {single} "
+                                   f"ahead for 1 row, {tile} for a tile's rows, {spans} for more")
 
 
 def choose_quant_prefetch(linears: list[tuple[torch.Tensor, torch.Tensor | None, str]],
@@ -145,8 +147,8 @@ def _current_quant_distance(module) -> int:
 
 
 @contextlib.contextmanager
-def distances(panel: tuple[int, int] | None = None, quant: int | None = None):
-    """Run a block with the given distances (panel: ``(1 row, more rows)``; quantized: bytes), and
+def distances(panel: tuple[int, int, int] | None = None, quant: int | None = None):
+    """Run a block with the given distances (panel: ``(1 row, a tile's rows, more rows)``; quantized: bytes), and
     restore the ones set before it after (tests, side-by-side timings). Yields the C++ module."""
     from . import cpu_kernels
 

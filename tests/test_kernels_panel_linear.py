@@ -45,7 +45,7 @@ def test_panel_linear_matches_the_reference_and_each_row_is_independent_of_the_o
         assert torch.equal(ops.panel_linear(x, panels, bias, n), y)
         # prefetching (any distance, past the panel's end included) changes no bit
         ahead = data.draw(st.sampled_from([0, 1, 8, 16, 32, 500]), label="ahead")
-        with prefetch.distances(panel=(ahead, ahead)):
+        with prefetch.distances(panel=(ahead, ahead, ahead)):
             assert torch.equal(ops.panel_linear(x, panels, bias, n), y)
             assert torch.equal(ops.panel_linear(x[rows[:1]], panels, bias, n), y[rows[:1]])
     finally:
