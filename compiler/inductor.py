@@ -34,6 +34,7 @@ import hashlib
 import json
 import os
 import re
+import statistics
 import time
 from typing import Callable
 
@@ -42,6 +43,7 @@ import torch.fx as fx
 
 from .signature import InputSpec, Role
 from ..kernels.config import use_triton_kernels
+from ..kernels.paired_timing import clearly_faster, median_ratio
 from .dump import Dumper
 from .lowering import bind_native_ops, prepack_linears
 from .passes import copy_graph_module
@@ -244,29 +246,32 @@ class StepGraphs:
         return "whole steps: " + ", ".join(parts)
 
     def measure_padding(self, run_padding_step: Callable[[object], None], upto: int = PAD_SEARCH_TOKENS,
-                        repeats: int = 3) -> str:
-        """Time the dynamic graph at each step size it serves up to ``upto`` tokens and pad each size
-        to the cheapest size at or above it that is at least 5% cheaper: few-row GEMMs do not cost
-        in proportion to their rows (oneDNN at 2 rows took longer than at 4 on an AVX-512 EPYC, so a
-        batch-2 decode is faster padded to 4). Returns what it measured and chose."""
+                        repeats: int = 5) -> str:
+        """Time the dynamic graph at each step size it serves up to ``upto`` tokens, every size once per round
+        (the order reversed every other round), and pad each size to the size above it that was clearly
+        cheaper (``kernels/paired_timing.py``: at least 5% in the median same-round ratio and in 4 rounds of 5),
+        the cheapest such: few-row GEMMs do not cost in proportion to their rows (oneDNN at 2 rows took longer
+        than at 4 on an AVX-512 EPYC, so a batch-2 decode is faster padded to 4). Returns what it measured and
+        chose (medians)."""
         from .program import StepShape
 
         sizes = [n for n in range(max(2, max(self.buckets, default=0) + 1), upto + 1)]
         if len(sizes) < 2:
             return "no dynamic step sizes to pad"
         width = self._table_width or 2
-        best = dict.fromkeys(sizes, float("inf"))
-        for _ in range(repeats):  # interleaved, so that a load swing hits every size
-            for n in sizes:
+        times: dict[int, list[float]] = {n: [] for n in sizes}
+        for round_ in range(repeats):  # interleaved, so that a load swing hits every size
+            for n in sizes if round_ % 2 == 0 else sizes[::-1]:
                 t0 = time.perf_counter()
                 run_padding_step(StepShape(n, 2, 2, width))
-                best[n] = min(best[n], time.perf_counter() - t0)
+                times[n].append(time.perf_counter() - t0)
         self.pad_tokens = {}
         for n in sizes:
-            cheapest = min((m for m in sizes if m >= n), key=best.get)
-            if best[cheapest] < 0.95 * best[n]:
-                self.pad_tokens[n] = cheapest
-        line = "dynamic step ms by tokens: " + ", ".join(f"{n} {best[n] * 1e3:.1f}" for n in sizes)
+            cheaper = [m for m in sizes if m > n and clearly_faster(times[m], times[n], 0.05)]
+            if cheaper:
+                self.pad_tokens[n] = min(cheaper, key=lambda m: median_ratio(times[m], times[n]))
+        line = "dynamic step ms by tokens: " + ", ".join(f"{n} {statistics.median(times[n]) * 1e3:.1f}"
+                                                        for n in sizes)
         pads = ", ".join(f"{n}->{m}" for n, m in self.pad_tokens.items())
         return line + (f" -> padded {pads}" if pads else " -> no padding pays")
 
