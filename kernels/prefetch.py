@@ -8,9 +8,10 @@ left the C++ linears short of the memory's bandwidth on an Intel Xeon (2 threads
 * the quantized kernel (``cpu_quant_linear.cpp``), which streams 4 weight rows at once: int8, 1 row,
   5.0 ms at the 2 KiB it used to prefetch ahead, 3.6 at 8 KiB, 3.7 at 16 KiB.
 The best distance is the machine's (its memory latency, bandwidth and prefetchers), so each is
-chosen by timing the model's own weights at build, each distance against none in the same round (the
-median ratio over rounds, so that a load swing does not pick a distance; a panel distance must win
-clearly, else none), and kept per machine beside the step plan (``compiler/step_plan.py``). The
+chosen by timing the model's own weights at build, each distance against a base in the same round (the
+median ratio over rounds, ``paired_timing.py``, so that a load swing does not pick a distance; a panel
+distance must beat its class's default clearly, else the default stays), and kept per machine beside the
+step plan (``compiler/step_plan.py``). The
 settings are process-wide, like the machine they describe. A prefetch changes no arithmetic: every
 result is bitwise the same at any distance.
 """
