@@ -160,3 +160,15 @@ def test_a_kept_panel_choice_is_three_distances_and_an_older_pair_is_measured_ag
     assert _kept_prefetch({"panel": [8, 16, 32], "quant": None, "line": "l"}, True, False) == ([8, 16, 32], None, "l")
     assert _kept_prefetch({"panel": [8, 16], "quant": None, "line": "l"}, True, False) is None
     assert _kept_prefetch({"panel": [8, -16, 32], "quant": None, "line": "l"}, True, False) is None
+
+
+def test_the_kernels_defaults_are_the_classes_defaults():
+    """PANEL_CLASSES names the distance each class keeps unless another is clearly faster; a fresh process's
+    kernel starts at those (the C++ g_ahead_* values), so a build that times nothing runs what was compared."""
+    import subprocess
+    import sys
+
+    code = ("from specgraph.kernels import cpu_kernels; m = cpu_kernels.load(); "
+            "print(list(m.set_panel_prefetch(0, 0, 0)) if m is not None else 'none')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split("\n")
+    assert out[-2] == str([default for _, _, default in prefetch.PANEL_CLASSES])
