@@ -1,4 +1,5 @@
-"""The panel kernel's prefetch distance for a register tile's rows (verifies), 16 against 32 panel rows ahead,
+"""The panel kernel's prefetch distance for a register tile's rows (verifies), 16 against 32 panel rows ahead
+(longer row blocks, the prompts' prefill chunks, set alike: the plain engine's speed shows what that moves),
 in one process: the same EAGLE engine (default shape, ``adaptive=False``) and a plain one generate each held-out
 prompt under both settings in turn (the order flipping every round), so the machine's drift is shared.
 
