@@ -208,10 +208,13 @@ class StepGraphs:
 
     def keep_faster_buckets(self, run_padding_step: Callable[[object], None], repeats: int = 7) -> str:
         """Time each wide bucket's static step against the dynamic graph at the sizes it would serve
-        (past the kept bucket below it; every row wanting logits, as in a verify), interleaved, best
-        of ``repeats`` (five once dropped a 4-token graph that four other builds kept by 8-22%).
-        From the narrowest up, a bucket whose step is not 5% under the mean of those is dropped (a
-        wider one then serves its sizes too). Returns what it measured and chose."""
+        (past the kept bucket below it; every row wanting logits, as in a verify), every step once per
+        round (the order reversed every other round), ``repeats`` rounds. From the narrowest up, a bucket
+        is kept only where its step is clearly cheaper than the mean of those sizes' dynamic steps in the
+        same round (``kernels/paired_timing.py``: 5% in the median same-round ratio and in 80% of the
+        rounds), else dropped (a wider one then serves its sizes too): a best-of-rounds time lets one
+        quiet moment keep a bucket (five rounds once dropped a 4-token graph that four other builds kept
+        by 8-22%). Returns what it measured and chose (medians)."""
         from .program import StepShape
 
         width = self._table_width or 2
@@ -221,24 +224,24 @@ class StepGraphs:
             return "no wide bucket to check"
         shapes = {b: StepShape(b, b, b, width) for b in wide}
         shapes.update({("dynamic", n): StepShape(n, 2, n, width) for n in range(2, max(wide) + 1)})
-        best = dict.fromkeys(shapes, float("inf"))
+        times: dict = {key: [] for key in shapes}
         try:
-            for _ in range(repeats):
-                for key, shape in shapes.items():
+            for round_ in range(repeats):  # interleaved, so that a load swing hits every step
+                for key, shape in list(shapes.items())[::1 if round_ % 2 == 0 else -1]:
                     self.buckets = served if key in served else (1,) if 1 in served else ()
                     t0 = time.perf_counter()
                     run_padding_step(shape)
-                    best[key] = min(best[key], time.perf_counter() - t0)
+                    times[key].append(time.perf_counter() - t0)
         finally:
             self.buckets = served
         kept, parts = [b for b in served if b == 1], []
         for b in wide:
             sizes = range(max(2, max(kept, default=0) + 1), b + 1)
-            dynamic = sum(best[("dynamic", n)] for n in sizes) / len(sizes)
-            keep = best[b] < 0.95 * dynamic
+            dynamic = [statistics.fmean(times[("dynamic", n)][i] for n in sizes) for i in range(repeats)]
+            keep = clearly_faster(times[b], dynamic, 0.05)
             kept += [b] if keep else []
-            parts.append(f"bucket {b} {best[b] * 1e3:.1f} ms vs dynamic {dynamic * 1e3:.1f} -> "
-                         + ("kept" if keep else "dropped"))
+            parts.append(f"bucket {b} {statistics.median(times[b]) * 1e3:.1f} ms vs dynamic "
+                         f"{statistics.median(dynamic) * 1e3:.1f} -> " + ("kept" if keep else "dropped"))
         self.buckets = tuple(kept)
         self.dropped = tuple(b for b in served if b not in kept)
         for key in [k for k in self._graphs if (k[0] if isinstance(k, tuple) else k) not in (*kept, "dynamic")]:

@@ -1,7 +1,7 @@
 """Choosing between alternatives timed on a noisy machine, by their same-round ratios.
 
-The build-time choices (the linears' prefetch distances, ``kernels/prefetch.py``; the padded sizes of
-dynamic steps, ``compiler/inductor.py``) time every alternative once per round, back to back, over several
+The build-time choices (the linears' prefetch distances, ``kernels/prefetch.py``; the wide step buckets
+kept and the padded sizes of dynamic steps, ``compiler/inductor.py``) time every alternative once per round, back to back, over several
 rounds. A candidate wins over a base only where it is faster by a margin in the median of the per-round
 ratios and in most rounds, so that neither a load swing lasting longer than a round nor one quiet moment
 decides. (Best-of-rounds times did: on an AMD EPYC with AVX2 one build measured 1 row 20.9 ms with no

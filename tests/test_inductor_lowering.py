@@ -331,6 +331,28 @@ def test_a_wide_bucket_stays_only_where_its_whole_step_beats_the_dynamic_graph()
     assert steps.buckets == (1,) and steps.dropped == (4, 8), line
 
 
+def test_a_bucket_that_was_faster_once_in_a_quiet_moment_is_dropped():
+    """A wide bucket costing what the dynamic graph costs is dropped even when one of its rounds ran in a quiet
+    moment (the rule before took each step's best time and kept it: 18 ms against 30)."""
+    import time
+
+    from specgraph.compiler.inductor import StepGraphs
+
+    calls = {"bucket": 0}
+
+    def run_padding_step(shape):
+        key, _ = steps.shape_for(shape)
+        if key != "dynamic":
+            calls["bucket"] += 1
+        quiet = key != "dynamic" and calls["bucket"] == 3
+        time.sleep(30.0 / 1e3 * (0.6 if quiet else 1.0))
+
+    steps = StepGraphs.__new__(StepGraphs)  # only the shape rules, no graph
+    steps.buckets, steps._table_width, steps.pad_tokens, steps._graphs = (1, 4), 4, {}, {}
+    line = steps.keep_faster_buckets(run_padding_step, repeats=5)
+    assert steps.buckets == (1,) and steps.dropped == (4,) and calls["bucket"] == 5, line
+
+
 def test_triton_interpret_lowering_runs_a_decoder_end_to_end(tmp_path):
     """CI's proof that the whole decoder lowers to generated Triton kernels: Inductor's Triton code
     for CPU tensors plus specgraph's Triton kernels, all in the interpreter, greedy equal to the
