@@ -368,3 +368,45 @@ def test_self_asked_prompts_need_a_chat_template():
 
     with pytest.raises(ValueError, match="chat template"):
         self_asked_prompts(None, Plain(), 4, 16, 0, 0.0)
+
+
+def _reference_eagle_losses(head, ids, feats, lens, unroll):
+    """The step losses as first written: every slot's KL ``sum(T * (log T - log P))`` against a copy of the
+    teacher shifted by ``j`` (zeros past the end), masked."""
+    import torch.nn.functional as F
+
+    def shifted(x, j):
+        return torch.cat([x[:, j:], x.new_zeros(x.shape[0], j, *x.shape[2:])], dim=1) if j else x
+
+    t = ids.shape[1]
+    teachers = torch.softmax(head.draft_logits(feats), dim=-1).detach()
+    out = []
+    for j, g in enumerate(head.unrolled(ids, feats, unroll)):
+        valid = torch.arange(t)[None] + j < lens[:, None] - 1
+        teacher = shifted(teachers, j)
+        logp = torch.log_softmax(head.draft_logits(g), dim=-1)
+        ploss = (teacher * (torch.log(teacher.clamp_min(1e-30)) - logp)).sum(-1)
+        vloss = F.smooth_l1_loss(g, shifted(feats, j), reduction="none").mean(-1)
+        out.append(((vloss + 0.1 * ploss) * valid).sum() / valid.sum().clamp(min=1))
+    return out
+
+
+@pytest.mark.parametrize("length, lens", [(9, [9, 6]), (2, [2, 1])])
+def test_step_losses_and_their_gradients_are_the_shifted_teachers(length, lens):
+    """The teacher is read from slot ``j`` on rather than copied shifted, and its entropy taken once per batch:
+    each step's loss and the gradients are the direct formula's (also for windows shorter than the unroll)."""
+    model = tiny_llama(vocab=VOCAB)
+    head = _head(model, VOCAB, 32).train()
+    ids, feats = torch.randint(0, VOCAB, (2, length)), torch.randn(2, length, head.cfg.hidden)
+    lens = torch.tensor(lens)
+    grads = []
+    for losses in (lambda: [l for l, _ in eagle_losses(head, ids, feats, lens, unroll=3)],
+                   lambda: _reference_eagle_losses(head, ids, feats, lens, unroll=3)):
+        head.zero_grad()
+        step_losses = losses()
+        sum(0.8 ** j * l for j, l in enumerate(step_losses)).backward()
+        grads.append((torch.stack(step_losses).detach(), [p.grad.clone() for p in head.parameters()]))
+    (new, new_grads), (ref, ref_grads) = grads
+    torch.testing.assert_close(new, ref, rtol=1e-5, atol=1e-6)
+    for a, b in zip(new_grads, ref_grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)

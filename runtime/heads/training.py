@@ -48,15 +48,31 @@ def _batch(windows, picks: list[int]):
     return ids, feats, lens
 
 
-def _shifted(x: torch.Tensor, j: int) -> torch.Tensor:
-    """``x[:, s + j]`` at row ``s`` (zeros past the end): ``[B, T, ...]``."""
-    return torch.cat([x[:, j:], x.new_zeros(x.shape[0], j, *x.shape[2:])], dim=1) if j else x
+class Teacher:
+    """The target's distribution over the draft vocabulary at every slot of a batch (``[B, T, draft_vocab]``),
+    with what the losses read of it computed once per batch, not once per drafting step: its negative entropy
+    and its best token. A drafting step ``j`` compares the head's output at slot ``s`` with the teacher at
+    ``s + j``: :meth:`terms` reads the teacher from slot ``j`` on, so nothing ``[B, T, vocab]``-sized is copied
+    to shift it, and the head's last ``j`` slots (no teacher) are not run through the draft LM head."""
+
+    def __init__(self, head: DraftHead, feats: torch.Tensor):
+        with torch.no_grad():
+            self.probs = torch.softmax(head.draft_logits(feats), dim=-1)
+            self.neg_entropy = (self.probs * torch.log(self.probs.clamp_min(1e-30))).sum(-1)
+            self.top = self.probs.argmax(-1)
+
+    def terms(self, head: DraftHead, g: torch.Tensor, j: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(KL(teacher at s + j || head at s), head's top-1 == teacher's)`` per slot ``s < T - j``: the
+        cross-entropy less the teacher's entropy (same gradient), so the loss reaches 0 when the head matches
+        the target, however uncertain the target is."""
+        n = max(g.shape[1] - j, 0)
+        logp = torch.log_softmax(head.draft_logits(g[:, :n]), dim=-1)
+        kl = self.neg_entropy[:, j:] - (self.probs[:, j:] * logp).sum(-1)
+        return kl, logp.argmax(-1) == self.top[:, j:]
 
 
-def kl(teacher: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
-    """KL(teacher || head) per row: the cross-entropy less the teacher's entropy (same gradient), so the loss
-    reaches 0 when the head matches the target, however uncertain the target is."""
-    return (teacher * (torch.log(teacher.clamp_min(1e-30)) - logp)).sum(-1)
+def _mean(per_slot: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    return (per_slot * valid).sum() / valid.sum().clamp(min=1)
 
 
 def eagle_losses(head: EagleHead, ids, feats, lens, unroll: int, noise: float = 0.0):
@@ -66,19 +82,14 @@ def eagle_losses(head: EagleHead, ids, feats, lens, unroll: int, noise: float = 
     noisy = feats + (torch.rand_like(feats) * 2 - 1) * noise * feats.std() if noise else feats
     outs = head.unrolled(ids, noisy, unroll)
     t = ids.shape[1]
-    with torch.no_grad():
-        teachers = torch.softmax(head.draft_logits(feats), dim=-1)
+    teacher = Teacher(head, feats)
     out = []
     for j, g in enumerate(outs):
-        # g_j[s] predicts f_{s+j}; the token after it exists
-        valid = torch.arange(t, device=ids.device)[None] + j < lens[:, None] - 1
-        target, teacher = _shifted(feats, j), _shifted(teachers, j)
-        logp = torch.log_softmax(head.draft_logits(g), dim=-1)
-        vloss = F.smooth_l1_loss(g, target, reduction="none").mean(-1)
-        ploss = kl(teacher, logp)
-        loss = ((vloss + 0.1 * ploss) * valid).sum() / valid.sum().clamp(min=1)
-        agree = ((logp.argmax(-1) == teacher.argmax(-1)) & valid).sum() / valid.sum().clamp(min=1)
-        out.append((loss, float(agree)))
+        n = max(t - j, 0)  # g_j[s] predicts f_{s+j}; the token after it exists (so s < t - j)
+        valid = torch.arange(n, device=ids.device)[None] + j < lens[:, None] - 1
+        ploss, agree = teacher.terms(head, g, j)
+        vloss = F.smooth_l1_loss(g[:, :n], feats[:, j:], reduction="none").mean(-1)
+        out.append((_mean(vloss + 0.1 * ploss, valid), float(_mean(agree, valid))))
     return out
 
 
@@ -86,16 +97,12 @@ def medusa_losses(head: MedusaHeads, ids, feats, lens):
     """Per head ``k`` ``(loss, top-1 agreement)``: KL divergence of head ``k`` at ``f_s`` from the target's
     distribution at ``f_{s+k}`` (over the draft vocabulary), i.e. for token ``s + k + 1``."""
     t = ids.shape[1]
-    with torch.no_grad():
-        teachers = torch.softmax(head.draft_logits(feats), dim=-1)
+    teacher = Teacher(head, feats)
     out = []
     for k, g in enumerate(head(feats), start=1):
-        valid = torch.arange(t, device=ids.device)[None] + k < lens[:, None]
-        teacher = _shifted(teachers, k)
-        logp = torch.log_softmax(head.draft_logits(g), dim=-1)
-        loss = (kl(teacher, logp) * valid).sum() / valid.sum().clamp(min=1)
-        agree = ((logp.argmax(-1) == teacher.argmax(-1)) & valid).sum() / valid.sum().clamp(min=1)
-        out.append((loss, float(agree)))
+        valid = torch.arange(max(t - k, 0), device=ids.device)[None] + k < lens[:, None]
+        loss, agree = teacher.terms(head, g, k)
+        out.append((_mean(loss, valid), float(_mean(agree, valid))))
     return out
 
 
