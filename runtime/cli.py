@@ -299,7 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
     distill.add_argument("--steps", type=_positive, default=None, help="training steps")
     distill.add_argument("--draft-vocab", type=_positive, default=None, help="tokens the head drafts from")
     distill.add_argument("--seed", type=int, default=None)
-    distill.add_argument("--minutes", type=float, default=None, help="stop training after this many minutes")
+    distill.add_argument("--minutes", type=float, default=None, help="train for about this many minutes: the learning-rate schedule ends at the steps that fit")
     distill.add_argument("--data", default=None,
                          help="the training set's cache (default OUT.data.pt; reused when made by the same recipe)")
     distill.add_argument("--resume", action="store_true", help="continue training from OUT.ckpt.pt")

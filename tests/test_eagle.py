@@ -410,3 +410,32 @@ def test_step_losses_and_their_gradients_are_the_shifted_teachers(length, lens):
     torch.testing.assert_close(new, ref, rtol=1e-5, atol=1e-6)
     for a, b in zip(new_grads, ref_grads):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_steps_that_fit_a_time_limit():
+    from specgraph.runtime.heads.training import PLAN_AFTER_STEPS, steps_that_fit
+
+    assert steps_that_fit(1400, 20, 20, 120.0, 3000.0) == 500  # 6 s a step: 480 more steps fit
+    assert steps_that_fit(1400, 20, 20, 1.0, 3000.0) == 1400  # never past the recipe's steps
+    assert steps_that_fit(1400, 20, 20, 3100.0, 3000.0) == 20  # over the limit: the schedule ends now
+    assert steps_that_fit(1400, 5, PLAN_AFTER_STEPS - 1, 600.0, 60.0) == 1400  # too few steps timed yet
+
+
+def test_a_time_limit_ends_the_learning_rate_schedule_at_the_steps_that_fit(tiny_head, monkeypatch):
+    """With ``minutes`` the run trains fewer steps of a whole schedule (its warm-up and cosine decay to the floor,
+    0.1 of the peak) instead of stopping part-way down the recipe's. A fake clock: every reading 1 s later."""
+    from types import SimpleNamespace
+
+    from specgraph.runtime.heads import training
+    from specgraph.runtime.heads.distill_data import Sequence
+
+    model, _, _ = tiny_head
+    gen = torch.Generator().manual_seed(1)
+    seqs = [Sequence(torch.randint(0, VOCAB, (24,), generator=gen).tolist(), "text", i == 0, prompt_len=4,
+                     greedy=True, feats=torch.randn(24, model.config.hidden_size, generator=gen)) for i in range(6)]
+    clock = iter(range(10**6))
+    monkeypatch.setattr(training, "time", SimpleNamespace(perf_counter=lambda: float(next(clock))))
+    recipe = Recipe(steps=10_000, batch=2, window=16, lr=3e-3)
+    record = training.train(_head(model, VOCAB, 48), seqs, recipe, None, minutes=1.0, progress=False)
+    assert 20 <= record["steps"] <= 40, record  # about 2 clock readings a step, 60 s
+    assert record["last_lr"] == pytest.approx(0.1 * recipe.lr, rel=0.02), record

@@ -26,6 +26,7 @@ from .eagle import EagleHead
 from .medusa import MedusaHeads
 
 CHECKPOINT_STEPS = 250  # also how often the held-out answers are measured
+PLAN_AFTER_STEPS = 10  # with a time limit, steps timed before the schedule's end is fitted to it
 
 
 def _windows(sequences: list[Sequence], window: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -119,9 +120,13 @@ def train(head: DraftHead, sequences: list[Sequence], recipe, checkpoint: Path |
     tokens per forward on training code / chat answers but 2.25 / 2.04 on held-out ones; its held-out curve
     still rose at the last step, so the guard matters only for longer runs.)
 
+    ``minutes``: the time this run may train. The learning-rate schedule then ends at the steps that fit
+    (:func:`steps_that_fit`, from this run's measured time per step, checkpoints included, after every step),
+    so a slower machine trains fewer steps of a whole schedule rather than stopping part-way down it.
+
     Returns ``{"first_step", "steps" (done), "first_loss", "loss" (the mean of the first and of the last 20
     steps of this run), "seconds", "heldout_curve" ([step, chain tokens/forward] per measurement),
-    "kept_step"}``."""
+    "kept_step", "last_lr"}``."""
     windows = _windows([s for s in sequences if not s.heldout], recipe.window)
     device = head.draft_ids.device
     params = [p for p in head.parameters() if p.requires_grad]
@@ -134,9 +139,9 @@ def train(head: DraftHead, sequences: list[Sequence], recipe, checkpoint: Path |
         head.load_state_dict(state["head"])
         opt.load_state_dict(state["opt"])
         step, rng, curve, best = state["step"], state["rng"], state.get("curve", []), state.get("best")
-    warmup = min(100, recipe.steps // 10 + 1)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / warmup) * (
-        0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, i / recipe.steps)))), last_epoch=step - 1)
+    horizon = recipe.steps  # where the schedule ends (sooner with ``minutes``)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / min(100, horizon // 10 + 1)) * (
+        0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, i / horizon)))), last_epoch=step - 1)
     bar = progress_bar(recipe.steps, step, progress)
     first_step, losses_seen = step, []
     t0 = time.perf_counter()
@@ -156,9 +161,9 @@ def train(head: DraftHead, sequences: list[Sequence], recipe, checkpoint: Path |
                         "best": best}, checkpoint)
 
     head.train()
-    while step < recipe.steps:
+    while step < horizon:
         if minutes is not None and time.perf_counter() - t0 > minutes * 60:
-            break
+            break  # (a step far slower than the ones before it)
         ids, feats, lens = (t.to(device) for t in _batch(windows, [rng.randrange(len(windows))
                                                                      for _ in range(recipe.batch)]))
         losses = head_losses(head, ids, feats, lens, recipe)
@@ -175,7 +180,9 @@ def train(head: DraftHead, sequences: list[Sequence], recipe, checkpoint: Path |
                         heldout=curve[-1][1] if curve else "-")
         if step % CHECKPOINT_STEPS == 0:
             measure_and_save()
-    measure_and_save()  # (also when --minutes stopped it)
+        if minutes is not None:
+            horizon = steps_that_fit(recipe.steps, step, step - first_step, time.perf_counter() - t0, minutes * 60)
+    measure_and_save()
     bar.close()
     head.eval()
     if best is not None:
@@ -183,7 +190,16 @@ def train(head: DraftHead, sequences: list[Sequence], recipe, checkpoint: Path |
     mean = (lambda xs: round(sum(xs) / len(xs), 4) if xs else None)
     return {"first_step": first_step, "steps": step, "first_loss": mean(losses_seen[:20]),
             "loss": mean(losses_seen[-20:]), "seconds": round(time.perf_counter() - t0, 1), "heldout_curve": curve,
-            "kept_step": best[1] if best is not None else step}
+            "kept_step": best[1] if best is not None else step, "last_lr": sched.get_last_lr()[0]}
+
+
+def steps_that_fit(steps: int, step: int, done: int, elapsed: float, budget: float) -> int:
+    """The step at which a schedule of at most ``steps`` ends when a run that has done ``done`` steps (now at
+    ``step``) in ``elapsed`` seconds may take ``budget``: at its mean time per step so far (``steps`` until
+    :data:`PLAN_AFTER_STEPS` steps are timed)."""
+    if done < PLAN_AFTER_STEPS:
+        return steps
+    return max(step, min(steps, step + int((budget - elapsed) * done / elapsed)))
 
 
 def heldout_tokens_per_forward(head: DraftHead, sequences: list[Sequence], depth: int = 5) -> float | None:
