@@ -16,7 +16,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 import specgraph  # noqa: E402
-from common import cpu_description  # noqa: E402
+from common import chat_prompt_ids, cpu_description  # noqa: E402
 from prompts import REPLAY_CHAT_PROMPTS, REPLAY_CODE_PROMPTS  # noqa: E402
 from specgraph.runtime.heads.base import QuantizedLinear, target_vocab_weights  # noqa: E402
 
@@ -27,12 +27,8 @@ def main() -> None:
     torch.set_num_threads(2)
     print(f"cpu: {cpu_description()}; threads {torch.get_num_threads()}")
     model, tok = specgraph.load_model()
-
-    def chat(p):
-        return tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
-
     engine = specgraph.Engine(model, tokenizer=tok, draft="eagle", adaptive=False)
-    engine.generate([chat("hi")], max_new_tokens=8)
+    engine.generate([chat_prompt_ids(tok, "hi")], max_new_tokens=8)
     head = engine.speculation.proposer.head
     _, lm_head = target_vocab_weights(model, engine.program.vocab_size)
 
@@ -54,7 +50,7 @@ def main() -> None:
                     head.draft_ids, head.draft_lm, head._draft_lm_product = variants[name]
                     engine.reset_stats()
                     t0 = time.perf_counter()
-                    r = engine.generate([chat(p)], max_new_tokens=128)[0]
+                    r = engine.generate([chat_prompt_ids(tok, p)], max_new_tokens=128)[0]
                     speed[name, kind].append(len(r.token_ids) / (time.perf_counter() - t0))
                     tokens_per_forward[name, kind].append(engine.stats["mean_accepted_tokens"])
                     outputs.setdefault((kind, i), set()).add(tuple(r.token_ids))
