@@ -182,6 +182,7 @@ def train(head: DraftHead, sequences: list[Sequence], recipe, checkpoint: Path |
             measure_and_save()
         if minutes is not None:
             horizon = steps_that_fit(recipe.steps, step, step - first_step, time.perf_counter() - t0, minutes * 60)
+            bar.total = horizon  # (the bar counts to where the schedule ends)
     measure_and_save()
     bar.close()
     head.eval()
