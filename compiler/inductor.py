@@ -211,8 +211,8 @@ class StepGraphs:
         (past the kept bucket below it; every row wanting logits, as in a verify), every step once per
         round (the order reversed every other round), ``repeats`` rounds. From the narrowest up, a bucket
         is kept only where its step is clearly cheaper than the mean of those sizes' dynamic steps in the
-        same round (``kernels/paired_timing.py``: 5% in the median same-round ratio and in 80% of the
-        rounds), else dropped (a wider one then serves its sizes too): a best-of-rounds time lets one
+        same round (``kernels/paired_timing.py``: 5% cheaper in the median same-round ratio, and cheaper at all
+        in 80% of the rounds), else dropped (a wider one then serves its sizes too): a best-of-rounds time lets one
         quiet moment keep a bucket (five rounds once dropped a 4-token graph that four other builds kept
         by 8-22%). Returns what it measured and chose (medians)."""
         from .program import StepShape
@@ -252,7 +252,7 @@ class StepGraphs:
                         repeats: int = 5) -> str:
         """Time the dynamic graph at each step size it serves up to ``upto`` tokens, every size once per round
         (the order reversed every other round), and pad each size to the size above it that was clearly
-        cheaper (``kernels/paired_timing.py``: at least 5% in the median same-round ratio and in 4 rounds of 5),
+        cheaper (``kernels/paired_timing.py``: at least 5% in the median same-round ratio, and cheaper at all in 4 rounds of 5),
         the cheapest such: few-row GEMMs do not cost in proportion to their rows (oneDNN at 2 rows took longer
         than at 4 on an AVX-512 EPYC, so a batch-2 decode is faster padded to 4). Returns what it measured and
         chose (medians)."""

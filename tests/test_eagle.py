@@ -370,38 +370,47 @@ def test_self_asked_prompts_need_a_chat_template():
         self_asked_prompts(None, Plain(), 4, 16, 0, 0.0)
 
 
-def _reference_eagle_losses(head, ids, feats, lens, unroll):
-    """The step losses as first written: every slot's KL ``sum(T * (log T - log P))`` against a copy of the
-    teacher shifted by ``j`` (zeros past the end), masked."""
-    import torch.nn.functional as F
+def _shifted(x, j):
+    return torch.cat([x[:, j:], x.new_zeros(x.shape[0], j, *x.shape[2:])], dim=1) if j else x
 
-    def shifted(x, j):
-        return torch.cat([x[:, j:], x.new_zeros(x.shape[0], j, *x.shape[2:])], dim=1) if j else x
+
+def _reference_losses(head, ids, feats, lens, unroll):
+    """Each step's loss as first written: every slot's KL ``sum(T * (log T - log P))`` against a copy of the
+    teacher shifted by the step (zeros past the end), masked; EAGLE's plus the smooth-L1 feature loss."""
+    import torch.nn.functional as F
 
     t = ids.shape[1]
     teachers = torch.softmax(head.draft_logits(feats), dim=-1).detach()
-    out = []
-    for j, g in enumerate(head.unrolled(ids, feats, unroll)):
-        valid = torch.arange(t)[None] + j < lens[:, None] - 1
-        teacher = shifted(teachers, j)
+    eagle = head.kind == "eagle"
+    outs = enumerate(head.unrolled(ids, feats, unroll)) if eagle else enumerate(head(feats), start=1)
+    losses = []
+    for j, g in outs:
+        valid = torch.arange(t)[None] + j < lens[:, None] - (1 if eagle else 0)
+        teacher = _shifted(teachers, j)
         logp = torch.log_softmax(head.draft_logits(g), dim=-1)
-        ploss = (teacher * (torch.log(teacher.clamp_min(1e-30)) - logp)).sum(-1)
-        vloss = F.smooth_l1_loss(g, shifted(feats, j), reduction="none").mean(-1)
-        out.append(((vloss + 0.1 * ploss) * valid).sum() / valid.sum().clamp(min=1))
-    return out
+        loss = (teacher * (torch.log(teacher.clamp_min(1e-30)) - logp)).sum(-1)
+        if eagle:
+            loss = 0.1 * loss + F.smooth_l1_loss(g, _shifted(feats, j), reduction="none").mean(-1)
+        losses.append((loss * valid).sum() / valid.sum().clamp(min=1))
+    return losses
 
 
-@pytest.mark.parametrize("length, lens", [(9, [9, 6]), (2, [2, 1])])
-def test_step_losses_and_their_gradients_are_the_shifted_teachers(length, lens):
+@pytest.mark.parametrize("kind, length, lens", [("eagle", 9, [9, 6]), ("eagle", 2, [2, 1]), ("medusa", 9, [9, 6])])
+def test_step_losses_and_their_gradients_are_the_shifted_teachers(kind, length, lens):
     """The teacher is read from slot ``j`` on rather than copied shifted, and its entropy taken once per batch:
     each step's loss and the gradients are the direct formula's (also for windows shorter than the unroll)."""
+    from specgraph.runtime.heads.distill import new_head
+    from specgraph.runtime.heads.training import medusa_losses
+
     model = tiny_llama(vocab=VOCAB)
-    head = _head(model, VOCAB, 32).train()
+    torch.manual_seed(0)
+    head = new_head(kind, model, VOCAB, torch.randperm(VOCAB)[:32].sort().values, Recipe(medusa_heads=3)).train()
     ids, feats = torch.randint(0, VOCAB, (2, length)), torch.randn(2, length, head.cfg.hidden)
     lens = torch.tensor(lens)
+    ours = (lambda: eagle_losses(head, ids, feats, lens, unroll=3)) if kind == "eagle" else \
+        (lambda: medusa_losses(head, ids, feats, lens))
     grads = []
-    for losses in (lambda: [l for l, _ in eagle_losses(head, ids, feats, lens, unroll=3)],
-                   lambda: _reference_eagle_losses(head, ids, feats, lens, unroll=3)):
+    for losses in (lambda: [l for l, _ in ours()], lambda: _reference_losses(head, ids, feats, lens, unroll=3)):
         head.zero_grad()
         step_losses = losses()
         sum(0.8 ** j * l for j, l in enumerate(step_losses)).backward()
@@ -423,7 +432,8 @@ def test_steps_that_fit_a_time_limit():
 
 def test_a_time_limit_ends_the_learning_rate_schedule_at_the_steps_that_fit(tiny_head, monkeypatch):
     """With ``minutes`` the run trains fewer steps of a whole schedule (its warm-up and cosine decay to the floor,
-    0.1 of the peak) instead of stopping part-way down the recipe's. A fake clock: every reading 1 s later."""
+    0.1 of the peak) instead of stopping part-way down the recipe's. A fake clock: every reading 1 s later (about
+    2 s a step, 200 s)."""
     from types import SimpleNamespace
 
     from specgraph.runtime.heads import training
@@ -435,7 +445,7 @@ def test_a_time_limit_ends_the_learning_rate_schedule_at_the_steps_that_fit(tiny
                      greedy=True, feats=torch.randn(24, model.config.hidden_size, generator=gen)) for i in range(6)]
     clock = iter(range(10**6))
     monkeypatch.setattr(training, "time", SimpleNamespace(perf_counter=lambda: float(next(clock))))
-    recipe = Recipe(steps=10_000, batch=2, window=16, lr=3e-3)
-    record = training.train(_head(model, VOCAB, 48), seqs, recipe, None, minutes=1.0, progress=False)
-    assert 20 <= record["steps"] <= 40, record  # about 2 clock readings a step, 60 s
+    recipe = Recipe(steps=300, batch=2, window=16, lr=3e-3)  # (a warm-up of 31 steps)
+    record = training.train(_head(model, VOCAB, 48), seqs, recipe, None, minutes=200 / 60, progress=False)
+    assert 80 <= record["steps"] <= 120, record
     assert record["last_lr"] == pytest.approx(0.1 * recipe.lr, rel=0.02), record

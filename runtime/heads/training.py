@@ -120,9 +120,11 @@ def train(head: DraftHead, sequences: list[Sequence], recipe, checkpoint: Path |
     tokens per forward on training code / chat answers but 2.25 / 2.04 on held-out ones; its held-out curve
     still rose at the last step, so the guard matters only for longer runs.)
 
-    ``minutes``: the time this run may train. The learning-rate schedule then ends at the steps that fit
+    ``minutes``: the time this run may train. The cosine decay then ends at the steps that fit
     (:func:`steps_that_fit`, from this run's measured time per step, checkpoints included, after every step),
-    so a slower machine trains fewer steps of a whole schedule rather than stopping part-way down it.
+    so a slower machine trains fewer steps of a whole schedule rather than stopping part-way down it. A resumed
+    run fits its own schedule from the checkpoint's step to the recipe's steps (or to what fits in its
+    ``minutes``): after a run that ended early the learning rate rises again.
 
     Returns ``{"first_step", "steps" (done), "first_loss", "loss" (the mean of the first and of the last 20
     steps of this run), "seconds", "heldout_curve" ([step, chain tokens/forward] per measurement),
@@ -139,8 +141,9 @@ def train(head: DraftHead, sequences: list[Sequence], recipe, checkpoint: Path |
         head.load_state_dict(state["head"])
         opt.load_state_dict(state["opt"])
         step, rng, curve, best = state["step"], state["rng"], state.get("curve", []), state.get("best")
-    horizon = recipe.steps  # where the schedule ends (sooner with ``minutes``)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / min(100, horizon // 10 + 1)) * (
+    warmup = min(100, recipe.steps // 10 + 1)
+    horizon = recipe.steps  # where the cosine decay ends (sooner with ``minutes``)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / warmup) * (
         0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, i / horizon)))), last_epoch=step - 1)
     bar = progress_bar(recipe.steps, step, progress)
     first_step, losses_seen = step, []
@@ -172,17 +175,17 @@ def train(head: DraftHead, sequences: list[Sequence], recipe, checkpoint: Path |
         total.backward()
         torch.nn.utils.clip_grad_norm_(params, 0.5)
         opt.step()
-        sched.step()
         step += 1
+        if minutes is not None:  # (before the next step's learning rate is set)
+            horizon = steps_that_fit(recipe.steps, step, step - first_step, time.perf_counter() - t0, minutes * 60)
+            bar.total = horizon  # (the bar counts to where the schedule ends)
+        sched.step()
         losses_seen.append(total.item())
         bar.update(1)
         bar.set_postfix(loss=f"{losses_seen[-1]:.3f}", top1=f"{losses[0][1]:.2f}",
                         heldout=curve[-1][1] if curve else "-")
         if step % CHECKPOINT_STEPS == 0:
             measure_and_save()
-        if minutes is not None:
-            horizon = steps_that_fit(recipe.steps, step, step - first_step, time.perf_counter() - t0, minutes * 60)
-            bar.total = horizon  # (the bar counts to where the schedule ends)
     measure_and_save()
     bar.close()
     head.eval()
