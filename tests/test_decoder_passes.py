@@ -244,3 +244,42 @@ def test_fake_propagation_takes_the_python_decompositions_dynamo_traced():
     gm.meta["fake_mode"] = mode
     refresh_meta(gm)
     assert ran == ["python decomposition"]
+
+
+def test_a_refresh_reruns_only_the_nodes_whose_inputs_or_ops_changed():
+    """refresh_meta skips a node whose op and argument values are the ones it last ran with, keeps a value
+    that comes out the same (so its readers are skipped too), and propagates a change to every reader."""
+    import torch.fx as fx
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from specgraph.passes.graph_utils import refresh_meta
+
+    aten = torch.ops.aten
+    g = fx.Graph()
+    x = g.placeholder("x")
+    double = g.call_function(aten.mul.Tensor, (x, 2))
+    flat = g.call_function(aten.view.default, (double, [-1]))
+    total = g.call_function(aten.sum.default, (flat,))
+    g.output(total)
+    gm = fx.GraphModule(torch.nn.Module(), g)
+    mode = gm.meta["fake_mode"] = FakeTensorMode()
+    x.meta["val"] = mode.from_tensor(torch.ones(2, 8))
+    refresh_meta(gm)
+    vals = {n: n.meta["val"] for n in (double, flat, total)}
+    refresh_meta(gm)  # nothing changed: the very same values
+    assert all(n.meta["val"] is v for n, v in vals.items())
+    double.args = (x, 3)  # a constant changed, the value's shape did not: its readers keep their values
+    refresh_meta(gm)
+    assert double.meta["val"] is vals[double] and total.meta["val"] is vals[total]
+    double.target = aten.add.Tensor  # another op of the same shape: the same
+    refresh_meta(gm)
+    assert double.meta["val"] is vals[double]
+    x.meta["val"] = mode.from_tensor(torch.ones(3, 4, dtype=torch.float64))  # a new input: every reader changes
+    refresh_meta(gm)
+    assert double.meta["val"].shape == (3, 4) and flat.meta["val"].shape == (12,)
+    assert total.meta["val"].dtype == torch.float64
+    with gm.graph.inserting_after(double):  # a new node between two old ones
+        half = gm.graph.call_function(aten.narrow.default, (double, 0, 0, 2))
+    flat.args = (half, [-1])
+    refresh_meta(gm)
+    assert half.meta["val"].shape == (2, 4) and flat.meta["val"].shape == (8,)
