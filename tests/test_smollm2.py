@@ -43,30 +43,24 @@ def test_greedy_equals_hugging_face_on_benchmark_prompts(smollm2):
     assert engine.stats["recompiles"] == 0
 
 
-def test_speculative_greedy_equals_plain(smollm2):
-    model, tok, engine, prompts = smollm2
-    plain = engine.generate(prompts[:2], max_new_tokens=48, ignore_eos=True)
-    for draft in ("ngram", "layer_skip:6"):  # (the eager lowering: its tokens must equal the generated code's)
-        spec = specgraph.Engine(model, tokenizer=tok, page_size=16, draft=draft, num_draft_tokens=4,
-                                lowering="eager")
-        got = spec.generate(prompts[:2], max_new_tokens=48, ignore_eos=True)
-        assert [r.token_ids for r in got] == [r.token_ids for r in plain]
-        assert spec.stats["draft_tokens"] > 0
-
-
-def test_tree_speculation_greedy_equals_plain(smollm2):
-    """Token trees (static and dynamic, n-gram and layer_skip drafts) at batch 1 and 4 keep plain greedy's tokens
-    (the eager lowering: its tokens must equal the generated code's; test_inductor_lowering runs tree masks
-    through the generated code on small models, at a tenth of the compile time)."""
+def test_speculation_greedy_equals_plain(smollm2):
+    """Token trees (static and dynamic, n-gram and layer_skip drafts) and chains of 4 at batch 1 and 4 keep plain
+    greedy's tokens (the eager lowering: its tokens must equal the generated code's; test_inductor_lowering runs
+    tree masks through the generated code on small models, at a tenth of the compile time). One engine per draft
+    runs both: a tree engine verifies chains as narrow trees."""
     model, tok, engine, prompts = smollm2
     plain = engine.generate(prompts[:4], max_new_tokens=32, ignore_eos=True)
     for draft, tree in (("ngram", "static:3,2,1"), ("layer_skip:6", "dynamic:8")):
         spec = specgraph.Engine(model, tokenizer=tok, page_size=16, draft=draft, draft_tree=tree, adaptive=False,
-                                lowering="eager")
-        for batch in (prompts[:1], prompts[:4]):
-            got = spec.generate(batch, max_new_tokens=32, ignore_eos=True)
-            assert [r.token_ids for r in got] == [r.token_ids for r in plain[:len(batch)]], (draft, tree, len(batch))
-        assert spec.stats["tree_nodes_verified"] > 0 and spec.stats["recompiles"] == 0
+                                num_draft_tokens=4, lowering="eager")
+        for shape in (tree, None):  # None: chains of num_draft_tokens
+            spec.draft_tree = shape
+            spec.reset_stats()
+            for batch in (prompts[:1], prompts[:4]):
+                got = spec.generate(batch, max_new_tokens=32, ignore_eos=True)
+                assert [r.token_ids for r in got] == [r.token_ids for r in plain[:len(batch)]], (draft, shape, batch)
+            assert spec.stats["draft_tokens"] > 0 and spec.stats["recompiles"] == 0
+            assert (spec.stats["tree_nodes_verified"] > 0) == (shape is not None), spec.stats
 
 
 def test_shipped_eagle_head_is_found_accepts_and_keeps_greedy_output(smollm2):
