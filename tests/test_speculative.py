@@ -98,8 +98,13 @@ def test_tokens_picked_as_on_a_device_are_the_engines_own(monkeypatch, temperatu
     prompts = _repetitive("llama", 3)
     kw = dict(max_new_tokens=12, ignore_eos=True, temperature=temperature, seed=4)
 
+    # one engine per configuration runs both paths (no prefix cache: the second run's steps are the first's)
+    engines = {name: specgraph.Engine(target, num_blocks=64, page_size=8, adaptive=False, prefix_caching=False,
+                                      **config) for name, config in configs.items()}
+
     def run(name):
-        engine = specgraph.Engine(target, num_blocks=64, page_size=8, adaptive=False, **configs[name])
+        engine = engines[name]
+        engine.reset_stats()
         out = [r.token_ids for r in engine.generate(prompts, **kw)]
         (scored,) = engine.submit(prompts[0], logprobs=2, **{k: v for k, v in kw.items() if k != "seed"})
         while not scored.finished:
