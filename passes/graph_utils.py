@@ -116,6 +116,7 @@ def _equal(a, b) -> bool:
 
 
 def _exprs(sizes) -> tuple:
+    """Sizes as ints and sympy expressions (comparing SymInts themselves would add guards)."""
     return tuple(s.node.expr if isinstance(s, torch.SymInt) else s for s in sizes)
 
 
@@ -125,8 +126,7 @@ def _same_fake(a, b) -> bool:
     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
         return (type(a) is type(b) and a.dtype == b.dtype and a.device == b.device
                 and a.requires_grad == b.requires_grad and _exprs(a.shape) == _exprs(b.shape)
-                and _exprs(a.stride()) == _exprs(b.stride())
-                and _exprs((a.storage_offset(),)) == _exprs((b.storage_offset(),)))
+                and _exprs((*a.stride(), a.storage_offset())) == _exprs((*b.stride(), b.storage_offset())))
     if isinstance(a, (tuple, list)) and type(a) is type(b):
         return len(a) == len(b) and all(_same_fake(x, y) for x, y in zip(a, b))
     if isinstance(a, (torch.SymInt, torch.SymFloat, torch.SymBool)) and type(a) is type(b):
