@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -68,9 +69,11 @@ def test_padding_beyond_the_step_is_refused():
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
-def test_inductor_engine_equals_reference_and_never_recompiles(family, tmp_path):
+def test_inductor_engine_equals_reference_and_never_recompiles(family, tmp_path, monkeypatch):
     """Greedy tokens equal the uncached loop; batch sizes change (1, 4, 2) with no recompile; the
-    dump holds the generated C++ with an index from graph nodes to kernels."""
+    dump holds the generated C++ with an index from graph nodes to kernels; each graph's kernels are
+    compiled apart from its C++ wrapper (the wrapper at a lower optimization level)."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # every graph compiled here
     model = make_family(family)
     engine = specgraph.Engine(model, lowering="inductor", page_size=8, num_blocks=48, dump_dir=str(tmp_path),
                               self_check=False)
@@ -91,6 +94,13 @@ def test_inductor_engine_equals_reference_and_never_recompiles(family, tmp_path)
         assert any(k.startswith("cpp_fused_") for kernels in index.values() for k in kernels)
         assert any(k == "specgraph_cpu.cache_write" for kernels in index.values() for k in kernels)
         assert any(k == "specgraph_cpu.paged_attention" for kernels in index.values() for k in kernels)
+    wrappers = list((tmp_path / "inductor").rglob("*.main.cpp"))
+    kernels = list((tmp_path / "inductor").rglob("*.optimized.cpp"))
+    assert len(wrappers) == built
+    if hasattr(torch._inductor.config, "cpp_wrapper_build_separate"):  # torch >= 2.8
+        assert len(kernels) == built
+        assert all("cpp_fused_" in k.read_text() for k in kernels)
+        assert not any(re.search(r"void\s+cpp_fused_\w+\([^;]*\)\s*\{", w.read_text()) for w in wrappers)
 
 
 def test_a_second_build_on_this_machine_runs_the_plan_the_first_measured(tmp_path, monkeypatch):
