@@ -98,8 +98,9 @@ def _inductor_config(lowering: str, cpp_wrapper: bool = False) -> dict:
         config["cpp_wrapper"] = True
         # One source holds the C++ wrapper (every op call of all layers in one function, ~4,300 lines for
         # SmolLM2) and the fused kernels (~900 lines); at -O3 g++ spends ~40 s a graph on the wrapper alone.
-        # Built apart, the wrapper at Inductor's wrapper level (-O1) and the kernels at -O3, a graph's
-        # g++ time falls from 43.6 to ~16 s (AMD EPYC) at the same step time (benchmarks/wrapper_build_ab.py).
+        # Built apart, the wrapper at Inductor's wrapper level (-O1) and the kernels at -O3, a graph's g++
+        # time falls from 43.6 to ~16 s (AMD EPYC), with no step-time difference seen
+        # (benchmarks/wrapper_build_ab.py).
         if SEPARATE_WRAPPER_BUILD and hasattr(torch._inductor.config, "cpp_wrapper_build_separate"):
             config["cpp_wrapper_build_separate"] = True
     return config
