@@ -13,7 +13,7 @@ amx_int8 under Firecracker); build without AMX, keeping every other SIMD level:
 The embedded model ships as a Q4_1 GGUF; specgraph dequantizes it to float32. llama.cpp's own
 quantizer (``llama_model_quantize`` with requantizing allowed) turns the same file into an F32
 (or Q8_0) GGUF, so both sides run the same weights. Converted files are cached beside
-specgraph's model cache. Greedy decoding (``temp=0``), EOS ignored, one sequence at a time.
+specgraph's model cache. Greedy decoding (``temp=0``), EOS ignored, one sequence at a time, each prefill cold.
 """
 from __future__ import annotations
 
@@ -67,6 +67,11 @@ class LlamaCpp:
             raise ValueError("the llama.cpp runner decodes one sequence at a time")
         tokens: list[int] = []
         first = None
+        # A cold prefill, as specgraph's timed calls have (their prefix cache is emptied first): llama-cpp-python
+        # keeps the last call's tokens and, with reset=True, still reuses their longest common prefix with the
+        # next prompt (the chat template's system prompt), which read as a time to first token of 129-146 ms
+        # against specgraph's cold 181-212 until 2026-12-07. reset() forgets them.
+        self.llm.reset()
         t0 = time.perf_counter()
         for tok in self.llm.generate(batch[0], temp=0.0, top_k=1, reset=True):  # greedy
             if first is None:
