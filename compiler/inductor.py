@@ -4,9 +4,10 @@ The eager lowering (:mod:`.lowering`) runs the graph op by op from Python, about
 per SmolLM2 step. Here Inductor compiles it instead (``compile_fx`` straight on the captured,
 transformed graph; no second Dynamo trace): C++/OpenMP on CPU (``lowering="inductor"``), Triton on
 CUDA, or Triton run by the interpreter on CPU tensors (``lowering="triton-interpret"``, how CI
-proves the whole decoder lowers to Triton). Inductor freezes the weights. The kernel ops stay extern
-calls: on CPU their native C++ twins (``lowering.bind_native_ops``), elsewhere the ``specgraph::``
-ops, whose bodies dispatch through ``kernels/registry.py``. On CPU every graph's float32 linears
+proves the whole decoder lowers to Triton). Inductor freezes the weights, except where every float32
+linear is a panel op (see ``_inductor_config``). The kernel ops stay extern calls: on CPU their native
+C++ twins (``lowering.bind_native_ops``), elsewhere the ``specgraph::`` ops, whose bodies dispatch
+through ``kernels/registry.py``. On CPU every graph's float32 linears
 run specgraph's panel kernel over weights packed once (``kernels/panel_linear.py``), as the C++
 attention kernel runs every step: a token's logits are then bitwise the same whichever graph, step
 size or batch computed them.
@@ -25,7 +26,7 @@ to one (``AttentionMetadata.padded``), so steady-state generation never recompil
 Inductor compile, so a compile after warm-up shows as a recompile in ``engine.stats``. Compiled
 code is cached on disk by Inductor's FX graph cache (``$TORCHINDUCTOR_CACHE_DIR``, by default a folder
 per version of the C++ kernels under ``~/.cache/specgraph/inductor``), so a second process on the same
-machine skips code generation (it still traces the graph and freezes the weights).
+machine skips code generation (it still traces the graph, and freezes the weights where it does).
 """
 from __future__ import annotations
 
@@ -53,6 +54,9 @@ _STREAM_ROLES = {Role.POSITIONS, Role.SLOTS, Role.BLOCK_TABLES, Role.SEQ_LENS, R
 _CACHE_DIR_ENV = "TORCHINDUCTOR_CACHE_DIR"
 #: the C++ wrapper and the kernels are compiled apart (see _inductor_config); a switch for the A/B benchmark
 SEPARATE_WRAPPER_BUILD = True
+#: step graphs whose float32 linears are panel ops are frozen too (see _inductor_config); a switch for the A/B
+#: benchmark
+FREEZE_PANEL_GRAPHS = False
 
 
 def default_cache_dir() -> str:
@@ -85,13 +89,16 @@ def persistent_cache():
             os.environ[_CACHE_DIR_ENV] = before
 
 
-def _inductor_config(lowering: str, cpp_wrapper: bool = False) -> dict:
+def _inductor_config(lowering: str, cpp_wrapper: bool = False, freeze: bool = True) -> dict:
     # Freezing packs aten linear weights into oneDNN tensors, which the FX graph cache cannot pickle,
     # so without the C++ kernels each process compiles the dynamic graph again (in the background).
     # Measured on SmolLM2 (AMD EPYC, 2 threads, prefill 8x75 / 1x480 tokens): unfrozen 974 / 867 ms,
     # frozen without prepacking 1246 / 916 ms, frozen and packed 780 / 677 ms. Prefill speed wins.
-    # With the C++ kernels the linears are panel ops over plain tensors and every graph is cached.
-    config = {"freezing": True, "fx_graph_cache": True}
+    # With the C++ kernels the linears are panel ops over weights packed once, so freezing has nothing to
+    # pack, and its passes (whole-graph fake-tensor propagations, run before the FX graph cache is looked up)
+    # only cost time, in every process: ``freeze`` False passes the weights to the graph as inputs instead
+    # (SmolLM2, AMD EPYC: a warm build's two graphs 45 s instead of 61 s; the same tokens, the same speed).
+    config = {"freezing": freeze, "fx_graph_cache": True}
     if lowering == "triton-interpret":
         config["cpu_backend"] = "triton"
     if cpp_wrapper:
@@ -100,7 +107,7 @@ def _inductor_config(lowering: str, cpp_wrapper: bool = False) -> dict:
         # SmolLM2) and the fused kernels (~900 lines); at -O3 g++ spends ~40 s a graph on the wrapper alone.
         # Built apart, the wrapper at Inductor's wrapper level (-O1) and the kernels at -O3, a graph's g++
         # time falls from 43.6 to ~16 s (AMD EPYC), with no step-time difference seen
-        # (benchmarks/wrapper_build_ab.py).
+        # (benchmarks/inductor_switch_ab.py).
         if SEPARATE_WRAPPER_BUILD and hasattr(torch._inductor.config, "cpp_wrapper_build_separate"):
             config["cpp_wrapper_build_separate"] = True
     return config
@@ -321,8 +328,8 @@ class StepGraphs:
             return fn(*inputs)
 
     def _compile(self, key, inputs: list) -> Callable:
-        """``compile_fx`` straight on the graph (no Dynamo: the graph is already captured, and
-        Inductor then sees the weights as the module's constants, freezes and prepacks them)."""
+        """``compile_fx`` straight on the graph (no Dynamo: the graph is already captured; Inductor sees the
+        weights as the module's constants, and freezes and prepacks them unless the linears are panel ops)."""
         t0 = time.perf_counter()
         name = f"bucket{key}" if key != "dynamic" else "dynamic"
         gm = copy_graph_module(self._base)
@@ -334,7 +341,8 @@ class StepGraphs:
         # dynamic graph's 2-16 token verifies 0.6-1.0 ms cheaper, for a longer first compile: 49 s vs 28 s)
         cpp_wrapper = self.lowering == "inductor" and self._on_cpu
         with torch._guards.tracing(torch._guards.TracingContext(fake_mode)):
-            compiled = compile_graph(gm, examples, self.lowering, self.dump_dir, name, cpp_wrapper=cpp_wrapper)
+            compiled = compile_graph(gm, examples, self.lowering, self.dump_dir, name, cpp_wrapper=cpp_wrapper,
+                                     freeze=FREEZE_PANEL_GRAPHS or not self.panel_linears)
         self.compiles += 1
         self.compile_seconds += time.perf_counter() - t0
         return compiled
@@ -360,10 +368,11 @@ def _symbolic_inputs(inputs: list, roles: list[Role], dynamic: bool = True):
 
 
 def compile_graph(gm: fx.GraphModule, example_inputs: list, lowering: str, dump_dir: str | None,
-                  name: str, cpp_wrapper: bool = False) -> Callable:
+                  name: str, cpp_wrapper: bool = False, freeze: bool = True) -> Callable:
     """``compile_fx`` under the lowering's Inductor settings; with ``dump_dir``, the generated code
     is written there as ``<lowering>_<name>.py`` beside ``<lowering>_<name>_index.json``. With
-    ``cpp_wrapper`` the code that calls the kernels is C++ too (no Python between ops)."""
+    ``cpp_wrapper`` the code that calls the kernels is C++ too (no Python between ops); with ``freeze``
+    Inductor folds the weights into the graph (see :func:`_inductor_config`)."""
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
     outputs = []
@@ -376,7 +385,7 @@ def compile_graph(gm: fx.GraphModule, example_inputs: list, lowering: str, dump_
     if cpp_wrapper:  # the C++ wrapper path takes its example inputs from the placeholders' metadata
         for node, example in zip((n for n in gm.graph.nodes if n.op == "placeholder"), example_inputs):
             node.meta["val"] = example
-    with persistent_cache(), torch._inductor.config.patch(_inductor_config(lowering, cpp_wrapper)):
+    with persistent_cache(), torch._inductor.config.patch(_inductor_config(lowering, cpp_wrapper, freeze)):
         if lowering == "triton-interpret":
             _shim_triton_interpreter()
         compiled = compile_fx(gm, example_inputs, inner_compile=inner)
