@@ -254,13 +254,9 @@ def main(argv=None) -> int:
         import llama_cpp_runner
 
         if llama_cpp_runner.available():
-            from specgraph.runtime.loader import default_cache_dir, find_smollm2_gguf
-
             log("llama.cpp: converting the shipped GGUF to F32 with llama.cpp's own quantizer (cached)")
-            path = llama_cpp_runner.converted_gguf(find_smollm2_gguf(args.model), "f32",
-                                                   default_cache_dir() / "llama-cpp")
-            llama = llama_cpp_runner.LlamaCpp(path, torch.get_num_threads())
-            report["llama_cpp"] = dict(version=llama.version, gguf=str(path))
+            llama = llama_cpp_runner.for_model(args.model, "f32", torch.get_num_threads())
+            report["llama_cpp"] = dict(version=llama.version, gguf=str(llama.path))
         else:
             args.modes.remove("llama-cpp-f32")
             report["llama_cpp"] = dict(skipped="llama_cpp is not importable (pip install llama-cpp-python)")

@@ -104,12 +104,8 @@ def main(argv=None) -> int:
         import llama_cpp_runner
 
         if llama_cpp_runner.available():
-            from specgraph.runtime.loader import default_cache_dir, find_smollm2_gguf
-
             for ftype in LLAMA_FTYPES:
-                path = llama_cpp_runner.converted_gguf(find_smollm2_gguf("smollm2-135m-instruct"), ftype,
-                                                       default_cache_dir() / "llama-cpp")
-                llamas[ftype] = llama_cpp_runner.LlamaCpp(path, torch.get_num_threads())
+                llamas[ftype] = llama_cpp_runner.for_model("smollm2-135m-instruct", ftype, torch.get_num_threads())
         else:
             log("llama.cpp rows skipped: llama_cpp is not importable (pip install llama-cpp-python)")
 

@@ -51,6 +51,13 @@ def converted_gguf(source: Path, ftype: str, cache_dir: Path) -> Path:
     return dest
 
 
+def for_model(model: str, ftype: str, threads: int) -> "LlamaCpp":
+    """llama.cpp on a known model's shipped GGUF (``specgraph.load_model``'s name), requantized to ``ftype``."""
+    from specgraph.runtime.loader import default_cache_dir, find_smollm2_gguf
+
+    return LlamaCpp(converted_gguf(find_smollm2_gguf(model), ftype, default_cache_dir() / "llama-cpp"), threads)
+
+
 class LlamaCpp:
     """One llama.cpp model; :meth:`generate` matches the benchmark's runner signature (batch of 1)."""
 

@@ -12,10 +12,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import specgraph  # noqa: E402
 from common import chat_prompt_ids, cpu_description  # noqa: E402
+from inductor_switch_ab import PROMPTS  # noqa: E402
 from specgraph.compiler import inductor  # noqa: E402
 
-PROMPTS = ["Write a Python function that merges two sorted lists.", "Explain what a hash map is.",
-           "Write a haiku about the sea.", "How do I read a CSV file in Python?"]
 freeze, cache = sys.argv[1] == "on", sys.argv[2]
 inductor.FREEZE_PANEL_GRAPHS = freeze
 os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache

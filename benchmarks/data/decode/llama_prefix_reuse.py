@@ -15,11 +15,9 @@ from common import chat_prompt_ids, cpu_description  # noqa: E402
 from prompts import CHAT_PROMPTS, CODE_PROMPTS  # noqa: E402
 
 import specgraph  # noqa: E402
-from specgraph.runtime.loader import default_cache_dir, find_smollm2_gguf  # noqa: E402
 
 _, tok = specgraph.load_model("smollm2-135m-instruct")
-path = llama_cpp_runner.converted_gguf(find_smollm2_gguf(), "f32", default_cache_dir() / "llama-cpp")
-llama = llama_cpp_runner.LlamaCpp(path, 2)
+llama = llama_cpp_runner.for_model("smollm2-135m-instruct", "f32", 2)
 prompts = [chat_prompt_ids(tok, p) for p in (CODE_PROMPTS[:3] + CHAT_PROMPTS[:3])]
 print(cpu_description(), "llama-cpp-python", llama.version)
 print("prompt tokens", [len(p) for p in prompts])

@@ -17,12 +17,10 @@ import llama_cpp_runner  # noqa: E402
 import specgraph  # noqa: E402
 from common import cpu_description  # noqa: E402
 from decode_runs import flush_prefix_cache  # noqa: E402
-from specgraph.runtime.loader import default_cache_dir, find_smollm2_gguf  # noqa: E402
 
 model, tok = specgraph.load_model("smollm2-135m-instruct")
 eng = specgraph.Engine(model, tokenizer=tok)
-gguf = llama_cpp_runner.converted_gguf(find_smollm2_gguf(), "f32", default_cache_dir() / "llama-cpp")
-llama = llama_cpp_runner.LlamaCpp(gguf, 2)
+llama = llama_cpp_runner.for_model("smollm2-135m-instruct", "f32", 2)
 text = inspect.getsource(json.decoder) + inspect.getsource(statistics)
 ids = tok(text)["input_ids"]
 print(cpu_description(), "llama-cpp-python", llama.version)
