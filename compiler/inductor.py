@@ -373,6 +373,7 @@ def compile_graph(gm: fx.GraphModule, example_inputs: list, lowering: str, dump_
     is written there as ``<lowering>_<name>.py`` beside ``<lowering>_<name>_index.json``. With
     ``cpp_wrapper`` the code that calls the kernels is C++ too (no Python between ops); with ``freeze``
     Inductor folds the weights into the graph (see :func:`_inductor_config`)."""
+    from torch._functorch import config as functorch_config
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
     outputs = []
@@ -385,7 +386,11 @@ def compile_graph(gm: fx.GraphModule, example_inputs: list, lowering: str, dump_
     if cpp_wrapper:  # the C++ wrapper path takes its example inputs from the placeholders' metadata
         for node, example in zip((n for n in gm.graph.nodes if n.op == "placeholder"), example_inputs):
             node.meta["val"] = example
-    with persistent_cache(), torch._inductor.config.patch(_inductor_config(lowering, cpp_wrapper, freeze)):
+    # A hit in AOTAutograd's cache returns the compiled graph without calling ``inner``, so there would be
+    # no code to dump; with ``dump_dir`` only Inductor's FX graph cache is used (its entries keep the code).
+    autograd_cache = functorch_config.patch(enable_autograd_cache=not dump_dir)
+    with persistent_cache(), autograd_cache, \
+            torch._inductor.config.patch(_inductor_config(lowering, cpp_wrapper, freeze)):
         if lowering == "triton-interpret":
             _shim_triton_interpreter()
         compiled = compile_fx(gm, example_inputs, inner_compile=inner)

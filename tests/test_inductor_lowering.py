@@ -176,6 +176,27 @@ def test_kernel_index_reads_each_wrapper_style(code, kernel, extern):
     assert {k for kernels in index.values() for k in kernels} == {kernel, extern}
 
 
+def test_a_graph_found_in_the_compile_caches_is_dumped_too(tmp_path, monkeypatch):
+    """The second compile of one graph is a cache hit; its dump still holds the generated code."""
+    import torch.fx as fx
+    from torch._dynamo.utils import counters
+
+    from specgraph.compiler.inductor import _symbolic_inputs, compile_graph
+    from specgraph.compiler.signature import Role
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cache"))
+    gm = fx.symbolic_trace(lambda x: (torch.relu(x * 3.0) + 1.0,))
+    x = torch.randn(4, 8)
+    hits = counters["inductor"]["fxgraph_cache_hit"]
+    for run in ("first", "second"):
+        fake_mode, examples = _symbolic_inputs([x], [Role.STATIC], dynamic=False)  # caches want a shape env
+        with torch._guards.tracing(torch._guards.TracingContext(fake_mode)):
+            compiled = compile_graph(gm, examples, "inductor", str(tmp_path / run), "g", freeze=False)
+        assert torch.equal(compiled(x)[0], torch.relu(x * 3.0) + 1.0)
+        assert "def call(" in (tmp_path / run / "inductor_g.py").read_text()
+    assert counters["inductor"]["fxgraph_cache_hit"] == hits + 1
+
+
 @pytest.mark.parametrize("kv_dtype", ["bfloat16", "fp8", "int4"])
 def test_inductor_engine_with_other_caches_equals_the_eager_engine(kv_dtype):
     """Quantized and 16-bit caches: the generated code calls the same kernels (the native ops hand
