@@ -431,11 +431,6 @@ def cached_program(gm: fx.GraphModule, spec: dict, options: BackendOptions) -> D
                           self_check_seconds=spec["self_check_seconds"], from_cache=True)
 
 
-def _model_dtype(model: torch.nn.Module) -> torch.dtype:
-    p = next(iter(model.parameters()), None)
-    return p.dtype if p is not None else torch.float32
-
-
 def compile_decoder(model: torch.nn.Module, options: BackendOptions | None = None, example_len: int = 8,
                     progress: Callable[[str], None] | None = None) -> DecoderProgram:
     """Capture ``model`` and run the full decoder pipeline (see module docstring); ``progress(stage)``
@@ -481,7 +476,11 @@ def compile_decoder(model: torch.nn.Module, options: BackendOptions | None = Non
         program.self_check_seconds = self_check(program, "auto" if options.kv_hot_cold else options.kv_dtype)
     if key is not None:
         graph_cache.save(key, program, model)
-        program.cache_key = key
+        # run the graph as later processes load it (a re-trace names nodes unlike the capture), so that
+        # AOT Autograd's cache, keyed on the code, serves them what this process compiles
+        entry = graph_cache.load(key, model)
+        program = cached_program(entry["gm"], entry["spec"], options)
+        program.from_cache, program.cache_key = False, key
     return program
 
 
