@@ -173,6 +173,15 @@ def load(key: str, model: torch.nn.Module) -> dict | None:
     return {"gm": _graph_module(root, entry["code"]), "spec": entry["spec"]}
 
 
+def retraced(gm: fx.GraphModule) -> fx.GraphModule:
+    """``gm`` as :func:`load` gives it back (re-traced from its code), over ``gm``'s own tensors."""
+    root = torch.nn.Module()
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            _set_attr(root, node.target, attr_value(gm, node.target))
+    return _graph_module(root, gm.code)
+
+
 def _set_attr(root: torch.nn.Module, target: str, tensor: torch.Tensor) -> None:
     *path, leaf = target.split(".")
     mod = root

@@ -26,7 +26,8 @@ to one (``AttentionMetadata.padded``), so steady-state generation never recompil
 Inductor compile, so a compile after warm-up shows as a recompile in ``engine.stats``. Compiled
 code is cached on disk by Inductor's FX graph cache (``$TORCHINDUCTOR_CACHE_DIR``, by default a folder
 per version of the C++ kernels under ``~/.cache/specgraph/inductor``), so a second process on the same
-machine skips code generation (it still traces the graph, and freezes the weights where it does).
+machine skips code generation, and where the weights are not frozen AOT Autograd's trace too (its own
+cache; ``compile_decoder`` gives every process the same graph, whose code the key hashes).
 """
 from __future__ import annotations
 

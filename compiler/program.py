@@ -478,8 +478,7 @@ def compile_decoder(model: torch.nn.Module, options: BackendOptions | None = Non
         graph_cache.save(key, program, model)
         # run the graph as later processes load it (a re-trace names nodes unlike the capture), so that
         # AOT Autograd's cache, keyed on the code, serves them what this process compiles
-        entry = graph_cache.load(key, model)
-        program = cached_program(entry["gm"], entry["spec"], options)
+        program = cached_program(graph_cache.retraced(program.gm), program.cache_spec(), options)
         program.from_cache, program.cache_key = False, key
     return program
 

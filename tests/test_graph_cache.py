@@ -27,7 +27,7 @@ def test_second_engine_loads_the_graph_and_is_exact(cache, family, kv_dtype):
     second = specgraph.Engine(model, num_blocks=32, page_size=8, kv_dtype=kv_dtype)
     assert not first.program.from_cache and second.program.from_cache
     # the first runs the graph as the second loads it, so compile caches keyed on the code serve both
-    assert first.program.gm.code == second.program.gm.code
+    assert str(first.program.gm) == str(second.program.gm)  # its modules' layout and its code
     assert len(list(cache.iterdir())) == 1
     want = first.generate(PROMPT, max_new_tokens=8, ignore_eos=True)[0].token_ids
     assert second.generate(PROMPT, max_new_tokens=8, ignore_eos=True)[0].token_ids == want
