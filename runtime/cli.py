@@ -200,6 +200,13 @@ def _non_negative(text: str) -> int:
     return value
 
 
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0; got {value}")
+    return value
+
+
 def _engine_options(p: argparse.ArgumentParser) -> None:
     from ..compiler.options import KV_DTYPES, LOWERINGS, PAGE_SIZES, WEIGHT_DTYPES
 
@@ -242,11 +249,11 @@ def cmd_distill(args) -> int:
     from .heads.distill import Recipe, distill
 
     given = {"prompts": args.prompts, "self_asked": args.self_asked, "texts": args.texts,
-             "max_new_tokens": args.max_new_tokens, "steps": args.steps, "draft_vocab": args.draft_vocab, "seed": args.seed}
+             "max_new_tokens": args.max_new_tokens, "steps": args.steps, "draft_vocab": args.draft_vocab, "seed": args.seed, "lr": args.lr}
     recipe = replace(Recipe(), **{k: v for k, v in given.items() if v is not None})
     model, tok = _load(args)
     distill(model, tok, out=args.out, head=args.head, recipe=recipe, data=args.data, resume=args.resume,
-            minutes=args.minutes,
+            minutes=args.minutes, init=args.init,
             log=lambda line: print(line, file=sys.stderr))
     return 0
 
@@ -303,6 +310,9 @@ def build_parser() -> argparse.ArgumentParser:
     distill.add_argument("--data", default=None,
                          help="the training set's cache (default OUT.data.pt; reused when made by the same recipe)")
     distill.add_argument("--resume", action="store_true", help="continue training from OUT.ckpt.pt")
+    distill.add_argument("--init", default=None,
+                         help="a head of this kind for this model to train further on this run's data")
+    distill.add_argument("--lr", type=_positive_float, default=None, help="peak learning rate")
     distill.set_defaults(fn=cmd_distill)
 
     bench = sub.add_parser("bench", help="run benchmarks/bench_decode.py (arguments pass through)")

@@ -98,6 +98,31 @@ def test_resume_continues_from_the_checkpoint(tiny_head, tmp_path):
     assert record["steps"] == 160 and record["first_step"] == 150  # ten more steps, the data reused
 
 
+def test_a_head_continues_training_on_new_data_from_a_saved_head(tiny_head, tmp_path):
+    """``init``: training starts from the saved head's weights and keeps its draft vocabulary (the new data's
+    own is not counted), and the record keeps the first run's; a head of another kind or for another model is
+    refused by name, before any data is built."""
+    model, out, _ = tiny_head
+    prompts, texts = _patterned(VOCAB, seed=1)  # other phrases: another draft vocabulary if it were counted
+    recipe = Recipe(steps=10, batch=4, window=32, draft_vocab=48, max_new_tokens=12, lr=1e-4, seed=1)
+    more = tmp_path / "more.safetensors"
+    record = distill(model, None, out=more, prompts=prompts, texts=texts, init=out, recipe=recipe, minutes=0,
+                     progress=False, log=lambda _: None)  # (no step fits in no time: the head as it was given)
+    assert record["steps"] == 0 and record["init"]["head"] == out.name and record["init"]["recipe"]["steps"] == 150
+    saved, continued = load_head(out, {"eagle": EagleHead}), load_head(more, {"eagle": EagleHead})
+    assert all(torch.equal(v, continued.state_dict()[k]) for k, v in saved.state_dict().items())
+    distill(model, None, out=tmp_path / "fresh.safetensors", data=tmp_path / "more.safetensors.data.pt",
+            recipe=recipe, minutes=0, progress=False, log=lambda _: None)
+    assert not torch.equal(load_head(tmp_path / "fresh.safetensors", {"eagle": EagleHead}).draft_ids, saved.draft_ids)
+    with pytest.raises(ValueError, match="not 'medusa'"):
+        distill(model, None, out=tmp_path / "m.safetensors", head="medusa", prompts=prompts, texts=texts, init=out,
+                data=tmp_path / "more.safetensors.data.pt", recipe=recipe, progress=False, log=lambda _: None)
+    other = tiny_llama(vocab=VOCAB, seed=5)
+    with pytest.raises(ValueError, match="distilled from another model"):
+        distill(other, None, out=tmp_path / "o.safetensors", prompts=prompts, texts=texts, init=out, recipe=recipe,
+                progress=False, log=lambda _: None)
+
+
 def test_training_keeps_the_weights_that_measured_best_on_held_out_answers(tiny_head, monkeypatch, tmp_path):
     """Measured every CHECKPOINT_STEPS steps and at the end: the head comes back with the weights of the best
     measurement (not the last), the curve is in the record, and a resumed run remembers the best so far."""

@@ -219,7 +219,8 @@ def test_cli_bad_arguments_print_one_line_and_exit_2(capsys):
     from specgraph.runtime.cli import main
 
     for argv in (["generate", "hi", "--kv-dtype", "fp16x"], ["serve", "--port", "eighty"], ["bogus"],
-                 ["generate", "hi", "--model", "/no/such/model"], ["distill", "--out", "h", "--self-asked", "-1"]):
+                 ["generate", "hi", "--model", "/no/such/model"], ["distill", "--out", "h", "--self-asked", "-1"],
+                 ["distill", "--out", "h", "--lr", "0"]):
         assert main(argv) == 2, argv
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("specgraph: error:"), (argv, err)

@@ -21,14 +21,14 @@ from pathlib import Path
 
 import torch
 
-from .base import DraftHead, save_head, target_fingerprint, target_vocab_weights
+from .base import DraftHead, load_head, save_head, target_fingerprint, target_vocab_weights
 from .distill_data import Sequence, chat_ids, self_asked_prompts, stdlib_modules, stdlib_prompts, stdlib_texts, \
     target_responses, teacher_features
 from .eagle import EagleConfig, EagleHead
 from .medusa import MedusaConfig, MedusaHeads
 from .training import progress_bar, heldout_acceptance, train
 
-HEADS = ("eagle", "medusa")
+HEADS = {"eagle": EagleHead, "medusa": MedusaHeads}
 DATA_FIELDS = ("prompts", "self_asked", "asked_tokens", "texts", "text_tokens", "max_new_tokens", "sampled_fraction",
                "heldout_fraction", "seed")
 
@@ -69,6 +69,17 @@ def new_head(kind: str, model: torch.nn.Module, vocab: int, draft_ids: torch.Ten
     return head.attach(*target_vocab_weights(model, vocab))
 
 
+def continued_head(path: str | Path, kind: str, model: torch.nn.Module, vocab: int) -> DraftHead:
+    """The saved ``kind`` head at ``path``, to be trained further on new data (its draft vocabulary kept),
+    attached to the target; ``ValueError`` when it is another kind of head or was distilled from another model."""
+    h = load_head(path, {kind: HEADS[kind]})
+    target = target_fingerprint(model, vocab)
+    if h.cfg.target != target:
+        raise ValueError(f"distill: the head {path} to continue was distilled from another model ({h.cfg.target}); "
+                         f"this one is {target}")
+    return h.attach(*target_vocab_weights(model, vocab))
+
+
 def target_head_config(model: torch.nn.Module, vocab: int, draft_vocab: int) -> EagleConfig:
     """An EAGLE head's shapes: one decoder layer like the target's (its HF config when it has one)."""
     _, lm_head = target_vocab_weights(model, vocab)
@@ -97,14 +108,18 @@ def draft_vocabulary(sequences: list[Sequence], size: int) -> torch.Tensor:
 
 def distill(model: torch.nn.Module, tokenizer=None, *, out: str | Path, head: str = "eagle",
             recipe: Recipe = Recipe(), prompts: list | None = None, texts: list[list[int]] | None = None,
-            data: str | Path | None = None, resume: bool = False, minutes: float | None = None, progress: bool = True, log=print) -> dict:
+            data: str | Path | None = None, resume: bool = False, minutes: float | None = None,
+            init: str | Path | None = None, progress: bool = True, log=print) -> dict:
     """Build the training set, train a ``head`` ("eagle" or "medusa") for ``model`` and write ``out`` (+
     ``out.json``).
 
     ``prompts`` / ``texts``: token-id lists instead of the standard-library ones (a model without a
     tokenizer needs both). ``data``: where the training set is cached (default ``<out>.data.pt``); one
     built by the same recipe for the same target is reused (an EAGLE and a Medusa head can share it).
-    ``resume``: continue training from ``<out>.ckpt.pt``. Returns the record stored in the JSON's ``recipe``."""
+    ``resume``: continue training from ``<out>.ckpt.pt``. ``init``: a head of this kind for this target to
+    train further on this run's data (more data for a head without its first data set: the data phase is
+    most of a run's time), instead of a new one; its draft vocabulary is kept and its record is stored
+    under ``"init"``. Returns the record stored in the JSON's ``recipe``."""
     if head not in HEADS:
         raise ValueError(f"distill: head={head!r} is not one of {', '.join(HEADS)}")
     from ...compiler.options import BackendOptions
@@ -117,6 +132,7 @@ def distill(model: torch.nn.Module, tokenizer=None, *, out: str | Path, head: st
     program = compile_decoder(model, BackendOptions(page_size=16, hidden_states=True, lowering="eager",
                                                     self_check=False))
     vocab = program.vocab_size
+    h = continued_head(init, head, model, vocab) if init is not None else None  # (refused before the data phase)
     recipe_of_data = {k: v for k, v in asdict(recipe).items() if k in DATA_FIELDS}
     stored = torch.load(data_file, weights_only=False) if data_file.is_file() else None
     if stored is not None and stored["recipe"] == recipe_of_data and stored["target"] == target_fingerprint(model, vocab):
@@ -130,8 +146,9 @@ def distill(model: torch.nn.Module, tokenizer=None, *, out: str | Path, head: st
         torch.save({"recipe": recipe_of_data, "target": target_fingerprint(model, vocab),
                     "sequences": [asdict(s) for s in sequences]}, data_file)
     data_seconds = time.perf_counter() - t0
-    torch.manual_seed(recipe.seed)
-    h = new_head(head, model, vocab, draft_vocabulary(sequences, min(recipe.draft_vocab, vocab)), recipe)
+    if h is None:
+        torch.manual_seed(recipe.seed)
+        h = new_head(head, model, vocab, draft_vocabulary(sequences, min(recipe.draft_vocab, vocab)), recipe)
     h.to(program.device)
     trained = train(h, sequences, recipe, out.with_name(out.name + ".ckpt.pt"), resume, minutes, progress)
     acceptance = heldout_acceptance(h, sequences)
@@ -142,6 +159,8 @@ def distill(model: torch.nn.Module, tokenizer=None, *, out: str | Path, head: st
               **trained,
               "heldout_acceptance_by_position": [round(a, 4) for a in acceptance],
               "heldout_chain_tokens_per_forward": round(1 + sum(acceptance), 3)}
+    if init is not None:
+        record["init"] = {"head": Path(init).name, "recipe": h.cfg.recipe}
     h.cfg = replace(h.cfg, recipe=record)
     save_head(h, out)
     log(f"distill: wrote {out} ({trained['steps']} steps, held-out acceptance by position "
