@@ -49,27 +49,23 @@ class FusedEagle(EagleHead):
         return super().unrolled(ids, self.fuse(feats), steps)
 
 
-def losses(variant: str, hidden: int, bf16: bool):
-    """``training.head_losses``'s stand-in for ``variant``: per drafting step ``(loss, top-1 agreement)``."""
+def losses(variant: str, hidden: int):
+    """``training.head_losses``'s stand-in for ``variant``: per drafting step ``(loss, top-1 agreement)``, as
+    ``training.eagle_losses`` but with the teacher read from the last hidden state and the regression optional."""
 
     def head_losses(head, ids, feats, lens, recipe):
         last = feats[..., -hidden:]
         noisy = feats + (torch.rand_like(feats) * 2 - 1) * recipe.noise * feats.std() if recipe.noise else feats
-        teacher = training.Teacher(head, last)  # (in float32)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            outs = head.unrolled(ids, noisy, recipe.unroll)
-            out = []
-            t = ids.shape[1]
-            for j, g in enumerate(outs):
-                n = max(t - j, 0)
-                valid = torch.arange(n)[None] + j < lens[:, None] - 1
-                logp = torch.log_softmax(head.draft_logits(g[:, :n]).float(), dim=-1)  # (Teacher.terms, in float32)
-                kl = teacher.neg_entropy[:, j:] - (teacher.probs[:, j:] * logp).sum(-1)
-                agree = logp.argmax(-1) == teacher.top[:, j:]
-                loss = kl.float()
-                if not variant.endswith("kl"):
-                    loss = F.smooth_l1_loss(g[:, :n].float(), last[:, j:], reduction="none").mean(-1) + 0.1 * loss
-                out.append((training._mean(loss, valid), float(training._mean(agree, valid))))
+        teacher = training.Teacher(head, last)
+        t = ids.shape[1]
+        out = []
+        for j, g in enumerate(head.unrolled(ids, noisy, recipe.unroll)):
+            n = max(t - j, 0)
+            valid = torch.arange(n)[None] + j < lens[:, None] - 1
+            loss, agree = teacher.terms(head, g, j)
+            if not variant.endswith("kl"):
+                loss = F.smooth_l1_loss(g[:, :n], last[:, j:], reduction="none").mean(-1) + 0.1 * loss
+            out.append((training._mean(loss, valid), float(training._mean(agree, valid))))
         return out
 
     return head_losses
@@ -93,7 +89,6 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=600)
     p.add_argument("--variants", default="base,fused-kl")
     p.add_argument("--layers", default="2,14", help="decoder layers whose outputs join the last hidden state")
-    p.add_argument("--bf16", action="store_true", help="train under bfloat16 autocast")
     a = p.parse_args()
     torch.set_num_threads(2)
     model, _ = specgraph.load_model("smollm2-135m-instruct")
@@ -106,8 +101,8 @@ def main() -> None:
     hidden = int(lm_head.shape[1])
     variants = a.variants.split(",")
     layers = [int(x) for x in a.layers.split(",")]
-    print(f"data: {len(seqs)} sequences, {sum(len(s.ids) for s in seqs)} tokens; steps {a.steps}; layers {layers}; "
-          f"bf16 {a.bf16}", flush=True)
+    print(f"data: {len(seqs)} sequences, {sum(len(s.ids) for s in seqs)} tokens; steps {a.steps}; layers {layers}",
+          flush=True)
     plain = [s.feats for s in seqs]
     if any(v.startswith("fused") for v in variants):
         layer_states(model, seqs, layers)
@@ -122,7 +117,7 @@ def main() -> None:
         head = (FusedEagle if v.startswith("fused") else EagleHead)(cfg)
         head.draft_ids.copy_(draft_ids)
         head.attach(embed, lm_head)
-        training.head_losses = losses(v, hidden, a.bf16)
+        training.head_losses = losses(v, hidden)
         record = training.train(head, seqs, recipe, progress=False)
         acc = training.heldout_acceptance(head, seqs)
         print(f"| {v} | {record['steps']} | {record['seconds'] / 60:.1f} | {' / '.join(f'{x:.3f}' for x in acc)} "
