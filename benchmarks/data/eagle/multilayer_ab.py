@@ -36,22 +36,30 @@ from specgraph.runtime.heads.distill import Recipe, draft_vocabulary, target_hea
 from specgraph.runtime.heads.distill_data import Sequence  # noqa: E402
 from specgraph.runtime.heads.eagle import EagleHead  # noqa: E402
 
+SHIPPED_LOSSES = training.head_losses  # (replaced per variant below)
+
 
 class FusedEagle(EagleHead):
-    """An EAGLE head whose true slots' features are ``fuse([low; mid; last])`` (``feats``: ``[..., 3h]``, the last
-    hidden state last, so the teacher reads ``feats[..., -h:]``)."""
+    """An EAGLE head whose true slots' features are ``fuse([earlier layers'; last])`` (``feats``: ``[..., parts * h]``,
+    the last hidden state last, so the teacher reads ``feats[..., -h:]``)."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, parts: int):
         super().__init__(cfg)
-        self.fuse = nn.Linear(3 * cfg.hidden, cfg.hidden, bias=False)
+        self.fuse = nn.Linear(parts * cfg.hidden, cfg.hidden, bias=False)
 
     def unrolled(self, ids, feats, steps):
         return super().unrolled(ids, self.fuse(feats), steps)
 
 
+VARIANTS = ("base", "kl", "fused", "fused-kl")
+
+
 def losses(variant: str, hidden: int):
     """``training.head_losses``'s stand-in for ``variant``: per drafting step ``(loss, top-1 agreement)``, as
-    ``training.eagle_losses`` but with the teacher read from the last hidden state and the regression optional."""
+    ``training.eagle_losses`` (which ``base`` runs itself) but with the teacher read from the last hidden state
+    and the regression optional."""
+    if variant == "base":
+        return SHIPPED_LOSSES
 
     def head_losses(head, ids, feats, lens, recipe):
         last = feats[..., -hidden:]
@@ -100,6 +108,8 @@ def main() -> None:
     recipe = replace(Recipe(), steps=a.steps)
     hidden = int(lm_head.shape[1])
     variants = a.variants.split(",")
+    if set(variants) - set(VARIANTS):
+        p.error(f"unknown variants {sorted(set(variants) - set(VARIANTS))}; choose from {', '.join(VARIANTS)}")
     layers = [int(x) for x in a.layers.split(",")]
     print(f"data: {len(seqs)} sequences, {sum(len(s.ids) for s in seqs)} tokens; steps {a.steps}; layers {layers}",
           flush=True)
@@ -114,7 +124,7 @@ def main() -> None:
             s.feats = f1 if v.startswith("fused") else f0
         torch.manual_seed(recipe.seed)
         cfg = target_head_config(model, vocab, len(draft_ids))
-        head = (FusedEagle if v.startswith("fused") else EagleHead)(cfg)
+        head = FusedEagle(cfg, len(layers) + 1) if v.startswith("fused") else EagleHead(cfg)
         head.draft_ids.copy_(draft_ids)
         head.attach(embed, lm_head)
         training.head_losses = losses(v, hidden)
